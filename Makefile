@@ -1,0 +1,49 @@
+# `make test`: the whole test suite on a fresh machine.  `make bench`: the main job.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+VENV_LATEST ?= .venv-latest
+BIN := $(VENV)/bin
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: test install sync pytest nbtest test-latest bench export clean
+
+test: sync pytest nbtest test-latest
+
+# Create the development environment when missing; reinstall when the metadata changes.
+$(BIN)/.installed: setup.py settings.ini
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+# The notebooks are the source: exporting them must leave the committed modules unchanged.
+sync: install
+	@rm -rf .sync_check && mkdir .sync_check && cp -r loss_filters .sync_check/
+	$(BIN)/nbdev_export
+	@if diff -r -x __pycache__ .sync_check/loss_filters loss_filters; then rm -rf .sync_check; \
+	else rm -rf .sync_check; echo "nbdev_export changed loss_filters/: notebooks and modules are out of sync"; exit 1; fi
+	$(BIN)/python tools/readme.py --check
+
+pytest: install
+	$(BIN)/python -m pytest -q tests
+
+nbtest: install
+	LF_SMOKE=1 $(BIN)/nbdev_test --n_workers 2
+
+# The library does not pin fastai: run the pytest suite against the newest release too.
+$(VENV_LATEST)/.installed: setup.py settings.ini
+	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/python -m pip install -q -U -e . fastai pytest hypothesis scikit-learn matplotlib
+	touch $@
+
+test-latest: $(VENV_LATEST)/.installed
+	$(VENV_LATEST)/bin/python -c "import fastai, fastcore, torch; print('latest env: fastai', fastai.__version__, 'fastcore', fastcore.__version__, 'torch', torch.__version__)"
+	$(VENV_LATEST)/bin/python -m pytest -q tests
+
+export: install
+	$(BIN)/nbdev_export && $(BIN)/nbdev_clean && $(BIN)/python tools/readme.py
+
+clean:
+	rm -rf $(VENV) $(VENV_LATEST) build dist *.egg-info .pytest_cache
