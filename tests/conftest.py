@@ -1,0 +1,44 @@
+"Shared fixtures: small real and synthetic data as fastai DataLoaders, and spies that watch a fit."
+import warnings
+import numpy as np, pytest, torch, torch.nn as nn
+from fastai.basics import DataLoaders, Callback, set_seed
+
+warnings.filterwarnings('ignore', message='.*torch.jit.script.*')
+
+class ItemList(list):
+    "A list of (x..., y...) tuples that tells fastai how many items are inputs"
+    def __init__(self, items, n_inp=1): super().__init__(items); self.n_inp = n_inp
+    def new_empty(self): return ItemList([], self.n_inp)
+
+def make_dls(xs, ys, bs=64, valid_pct=.25, seed=0, n_inp=None):
+    "fastai DataLoaders from tensors; `xs`/`ys` may be tuples for several inputs/targets"
+    xs, ys = (xs if isinstance(xs, tuple) else (xs,)), (ys if isinstance(ys, tuple) else (ys,))
+    n = len(ys[0]); perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)); cut = int(n * (1 - valid_pct))
+    items = list(zip(*xs, *ys))
+    ds = lambda idx: ItemList([items[i] for i in idx], n_inp=len(xs))
+    return DataLoaders.from_dsets(ds(perm[:cut]), ds(perm[cut:]), bs=bs, device='cpu')
+
+@pytest.fixture(scope='session')
+def digits():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.
+    return (x - x.mean()) / x.std(), torch.tensor(d.target)
+
+@pytest.fixture
+def digits_dls(digits): return make_dls(*digits, bs=64)
+
+def mlp(n_in=64, n_out=10): return nn.Sequential(nn.Flatten(), nn.Linear(n_in, 32), nn.ReLU(), nn.Linear(32, n_out))
+
+def bn_cnn(n_out=10):
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1),
+                         nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, n_out))
+
+class BatchSpy(Callback):
+    "Records what the training step really sees: the batch size at `after_pred` and the inputs"
+    order = 100
+    def __init__(self, keep_inputs=False): self.sizes, self.inputs, self.keep_inputs = [], [], keep_inputs
+    def after_pred(self):
+        if not self.training: return
+        self.sizes.append((self.epoch, self.iter, self.yb[0].shape[0]))
+        if self.keep_inputs: self.inputs.append([x.detach().clone() for x in self.xb])
