@@ -11,13 +11,13 @@ from torch import nn, Tensor
 from fastcore.basics import store_attr, patch
 from fastcore.foundation import L
 from fastai.torch_core import find_bs
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.mixup import MixHandler
 from fastai.learner import Learner, ValueMetric
 from .core import *
 
 # %% auto #0
-__all__ = ['frozen_norm_stats', 'downsample', 'take', 'LossFilterCallback', 'SelectiveBackpropCallback',
+__all__ = ['frozen_norm_stats', 'downsample', 'take', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback',
            'BatchLossFilterCallback']
 
 # %% ../nbs/01_callback.ipynb #a916e4ff
@@ -44,13 +44,15 @@ def downsample(xb:tuple, scale_factor:float) -> tuple:
                          f"got {[tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in xb]}")
     return res
 
+def _apply(f, o):
+    "Apply `f` to every tensor of the (nested) batch tuple `o`"
+    if isinstance(o, Tensor): return f(o)
+    if isinstance(o, (tuple, list)): return type(o)(_apply(f, t) for t in o)
+    raise TypeError(f"a loss filter can only subset tensors in the batch, got {type(o).__name__}")
+
 def take(b:tuple, idxs:Tensor) -> tuple:
     "Index every tensor of the batch tuple `b` (nested tuples too) with `idxs`"
-    def _take(o):
-        if isinstance(o, Tensor): return o[idxs.to(o.device)]
-        if isinstance(o, (tuple, list)): return type(o)(_take(t) for t in o)
-        raise TypeError(f"a loss filter can only subset tensors in the batch, got {type(o).__name__}")
-    return tuple(_take(o) for o in b)
+    return _apply(lambda t: t[idxs.to(t.device)], tuple(b))
 
 # %% ../nbs/01_callback.ipynb #d921bfeb
 class _ShareMetric(ValueMetric):
@@ -65,12 +67,13 @@ class LossFilterCallback(Callback):
                  end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
                  interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
                  scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
-                 skip_epochs:int=0): # leave this many first epochs of each fit unfiltered
+                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered
+                 fill_batch:bool=False): # pool kept examples and train only on full batches
         check_schedule(start, end, interrupt)
         check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
         if isinstance(skip_epochs, bool) or not isinstance(skip_epochs, int) or skip_epochs < 0:
             raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
-        store_attr('start,end,interrupt,scale_factor,skip_epochs')
+        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch')
 
     def select(self, losses:Tensor) -> Tensor:
         "Indices of the examples to train on, from their per-example `losses`"
@@ -108,7 +111,7 @@ def _without_shares(metrics): return L(m for m in metrics if not isinstance(m, _
 def before_train(self:LossFilterCallback):
     self.n_seen, self.n_kept, self.n_scored = 0, 0, 0
     self._loss_kept = self._loss_scored = self._n_bad = 0.
-    self._batches = []
+    self._batches, self.pool = [], BatchPool()
 
 @patch
 def score(self:LossFilterCallback) -> Tensor:
@@ -122,11 +125,14 @@ def score(self:LossFilterCallback) -> Tensor:
 def before_batch(self:LossFilterCallback):
     bs = find_bs(self.learn.yb)
     self.n_seen += bs
-    if not self.is_active(): self.n_kept += bs; return
-    losses = self.score()
-    idxs = self.select(losses)
-    if len(idxs) < bs: self.learn.xb, self.learn.yb = take(self.learn.xb, idxs), take(self.learn.yb, idxs)
-    self._record(losses, idxs, bs)
+    idxs = None
+    if self.is_active():
+        losses = self.score()
+        idxs = self.select(losses)
+        self._record(losses, idxs, bs)
+    else: self.n_kept += bs
+    if self.fill_batch: self._fill(idxs)
+    elif idxs is not None and len(idxs) < bs: self.learn.xb, self.learn.yb = take(self.learn.xb, idxs), take(self.learn.yb, idxs)
 
 @patch
 def _record(self:LossFilterCallback, losses:Tensor, idxs:Tensor, bs:int):
@@ -138,6 +144,36 @@ def _record(self:LossFilterCallback, losses:Tensor, idxs:Tensor, bs:int):
     self._batches.append((self.train_iter, len(idxs), bs, torch.where(total > 0, kept / total, 1.), finite.mean()))
 
 # %% ../nbs/01_callback.ipynb #c6c30afa
+def _cat(parts:list):
+    "Concatenate a list of batch tuples (nested tuples too) along the batch dimension"
+    if isinstance(parts[0], Tensor): return torch.cat(parts)
+    return type(parts[0])(_cat(list(z)) for z in zip(*parts))
+
+class BatchPool:
+    "Kept examples of several batches, waiting to make a full one"
+    def __init__(self): self.parts, self.n = [], 0
+    def add(self, b:tuple): self.parts.append(b); self.n += find_bs(b)
+    def take(self, k:int) -> tuple:
+        "The first `k` pooled examples as one batch tuple; the rest stay in the pool"
+        b = _cat(self.parts)
+        self.parts = [_apply(lambda t: t[k:], b)] if k < self.n else []
+        self.n -= k
+        return _apply(lambda t: t[:k], b)
+
+@patch
+def _fill(self:LossFilterCallback, idxs:Tensor|None):
+    "Pool this batch's kept examples; train on a full batch when there is one, else skip the step"
+    b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
+    if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
+    self.pool.add(b if idxs is None else take(b, idxs))
+    last = self.iter == self.n_iter - 1
+    if self.pool.n < self.dl.bs and not last:
+        self.learn.xb, self.learn.yb = (), ()            # the Recorder then skips this batch
+        raise CancelBatchException()
+    full = self.pool.take(self.pool.n if last else self.dl.bs)
+    self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
+
+# %% ../nbs/01_callback.ipynb #e12282a9
 @patch
 def after_train(self:LossFilterCallback):
     if self._batches:
@@ -159,7 +195,7 @@ def _samp_perc(self:LossFilterCallback): return self.epoch_stats[-1]['samp_perc'
 @patch
 def _loss_perc(self:LossFilterCallback): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
 
-# %% ../nbs/01_callback.ipynb #6863f0b0
+# %% ../nbs/01_callback.ipynb #e58e470b
 @patch
 def plot_kept(self:LossFilterCallback, ax=None):
     "Share of each filtered batch that was kept, over training iterations"
@@ -169,7 +205,7 @@ def plot_kept(self:LossFilterCallback, ax=None):
     ax.set(xlabel='training iteration', ylabel='share of samples kept', ylim=(0, 1.05), title=type(self).__name__)
     return ax.figure
 
-# %% ../nbs/01_callback.ipynb #4754dd4b
+# %% ../nbs/01_callback.ipynb #13eb0110
 class SelectiveBackpropCallback(LossFilterCallback):
     "Selective Backprop: train on a share `keep` of each batch, drawn with probability rising with the loss rank"
     def __init__(self,
@@ -177,28 +213,29 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  start:float=.5, # fraction of training at which selection starts
                  end:float=.9, # fraction of training at which it stops
                  interrupt:int=2, # a plain step every `interrupt` batches; 0 for never
-                 scale_factor:float=1.): # downsampling of image inputs for the scoring pass, in (0, 1]
+                 scale_factor:float=1., # downsampling of image inputs for the scoring pass, in (0, 1]
+                 fill_batch:bool=False): # pool kept examples and train only on full batches, as in the paper
         check_range('keep', keep, 0, 1, lo_open=True)
-        super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor)
+        super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch)
         self.keep = keep
     def is_active(self): return self.keep < 1 and super().is_active()
     def select(self, losses): return select_by_rank(losses, self.keep)
 
-# %% ../nbs/01_callback.ipynb #e58e470b
+# %% ../nbs/01_callback.ipynb #309ec9ad
 class BatchLossFilterCallback(LossFilterCallback):
     "Batch Loss Filter: train on the highest-loss examples that carry `min_loss_perc` of each batch's loss"
     def __init__(self,
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
                  min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in [0, 1]
                  skip_epochs:int=1, # like the original, leave the first epoch unfiltered
-                 **kwargs): # `start`, `end`, `interrupt`, `scale_factor` of `LossFilterCallback`
+                 **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
         check_range('min_loss_perc', min_loss_perc, 0, 1)
         super().__init__(skip_epochs=skip_epochs, **kwargs)
         store_attr('min_sample_perc,min_loss_perc')
     def select(self, losses): return select_by_loss_share(losses, self.min_loss_perc, self.min_sample_perc)
 
-# %% ../nbs/01_callback.ipynb #13eb0110
+# %% ../nbs/01_callback.ipynb #f02cc611
 @patch
 def _set_loss_filter(self:Learner, cb:LossFilterCallback):
     self.remove_cbs(self.cbs.filter(lambda o: isinstance(o, LossFilterCallback)))
@@ -211,7 +248,8 @@ def batch_loss_filter(self:Learner, min_sample_perc:float=0., min_loss_perc:floa
     return self._set_loss_filter(cb)
 
 @patch
-def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, scale_factor:float=1.):
+def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, scale_factor:float=1.,
+                       fill_batch:bool=False):
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
-    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor)
+    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch)
     return self._set_loss_filter(cb)

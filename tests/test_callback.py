@@ -340,3 +340,61 @@ def test_plot_kept_returns_a_figure(digits_dls):
     fig = learn.loss_filter.plot_kept()
     line = fig.axes[0].lines[0]
     assert len(line.get_xdata()) == len(learn.loss_filter.stats) == len(digits_dls.train)
+
+# ------------------------------------------------------------------ fill_batch: pooled full batches
+class IdModel(nn.Module):
+    "Logits are all columns but the last, which carries the example's id"
+    def __init__(self): super().__init__(); self.lin = nn.Linear(4, 4)
+    def forward(self, x): return self.lin(x[:, :-1])
+
+class RawIds(Callback):
+    "Ids of each loader batch, before any filter touched it"
+    order = LossFilterCallback.order - .5
+    def before_fit(self): self.ids = []
+    def before_batch(self):
+        if self.training: self.ids.append((self.epoch, self.iter, self.xb[0][:, -1].long().clone()))
+
+class TrainedIds(Callback):
+    "Ids of what each training step really trained on"
+    order = 100
+    def before_fit(self): self.ids = []
+    def after_pred(self):
+        if self.training: self.ids.append((self.epoch, self.xb[0][:, -1].long().clone()))
+
+@pytest.mark.parametrize('make', [lambda: BatchLossFilterCallback(min_loss_perc=.7, skip_epochs=0, fill_batch=True),
+                                  lambda: SelectiveBackpropCallback(keep=.3, start=0., end=1., interrupt=3, fill_batch=True)])
+def test_fill_batch_trains_every_selected_example_once_in_full_batches(make):
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    x = torch.cat([torch.randn(n, 4, generator=g), torch.arange(n, dtype=torch.float32)[:, None]], 1)
+    y = torch.randint(0, 4, (n,), generator=g)
+    dls = make_dls(x, y, bs=32)
+    cb = make()
+    spy = SelectSpy(cb)
+    raw, trained = RawIds(), TrainedIds()
+    learn = learner(dls, IdModel(), metrics=accuracy, cbs=[cb, raw, trained])
+    fit(learn, 3)
+    n_batches = len(dls.train)
+    calls = iter(spy.calls)
+    for ep in range(3):
+        selected = []
+        for e, i, ids in raw.ids:
+            if e != ep: continue
+            filtered = isinstance(cb, BatchLossFilterCallback) or (i + 1) % 3 != 0
+            selected += (ids[next(calls)[1]] if filtered else ids).tolist()
+        steps = [ids for e, ids in trained.ids if e == ep]
+        got = torch.cat(steps).tolist()
+        assert sorted(got) == sorted(selected) and len(set(got)) == len(got)    # each selected example exactly once
+        assert all(len(s) == 32 for s in steps[:-1]) and 1 <= len(steps[-1]) < 64
+        assert len(steps) < n_batches                                              # fewer, fuller steps
+    samp = [v[-2] for v in learn.recorder.values]
+    assert all(s < 1 for s in samp)
+    assert not any(math.isnan(v[0]) for v in learn.recorder.values)               # train loss ignores skipped batches
+
+def test_fill_batch_keeps_the_schedule_running_over_skipped_batches(digits_dls):
+    learn = learner(digits_dls, mlp(), metrics=accuracy).selective_backprop(keep=.25, start=0., end=1., interrupt=0, fill_batch=True)
+    fit(learn, 2)
+    hps = learn.recorder.hps['lr']
+    assert len(hps) == 2 * len(digits_dls.train)
+    assert hps[-1] < hps[0] * 1.01 and max(hps) > 10 * hps[-1]     # one cycle ran to its end
+    assert learn.train_iter == 2 * len(digits_dls.train) and learn.pct_train == pytest.approx(1.)
