@@ -3,7 +3,7 @@ import math, pickle, warnings
 import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from fastai.basics import Learner, Callback, accuracy, CrossEntropyLossFlat, set_seed, load_learner
 from fastai.callback.all import (GradientAccumulation, MixedPrecision, MixUp, CutMix, CSVLogger, SaveModelCallback,
-                                 EarlyStoppingCallback)
+                                 EarlyStoppingCallback, ShowGraphCallback)
 from loss_filters.core import select_by_loss_share
 from loss_filters.callback import *
 from conftest import make_dls, mlp, bn_cnn, BatchSpy, ItemList
@@ -292,6 +292,14 @@ def test_csvlogger_savemodel_earlystopping(digits_dls, tmp_path):
     samp = [float(l.split(',')[header.index('samp_perc')]) for l in lines[1:]]
     assert samp[0] == 1. and samp[1] < 1
     assert (tmp_path / 'models' / 'best.pth').exists()
+
+def test_show_graph_and_progress_bar(digits_dls, capsys):
+    import matplotlib; matplotlib.use('Agg')
+    learn = learner(digits_dls, mlp(), metrics=accuracy, cbs=ShowGraphCallback()).batch_loss_filter()
+    learn.fit_one_cycle(2, 1e-2)                       # with fastai's progress output, as a user runs it
+    printed = capsys.readouterr().out
+    assert 'samp_perc' in printed and 'loss_perc' in printed
+    assert len(learn.recorder.values) == 2 and learn.recorder.values[1][-2] < 1
 
 def test_early_stopping_can_monitor_samp_perc(digits_dls):
     learn = learner(digits_dls, mlp(), metrics=accuracy).batch_loss_filter()
