@@ -1,0 +1,70 @@
+"`lf_bench` end to end on a CI-sized run, and its pieces on hand-made histories."
+import json, math, subprocess, sys
+from pathlib import Path
+import pytest
+from loss_filters.bench import lf_bench, summarise, format_table, time_to_target, parse_method, _cols
+
+@pytest.fixture(scope='module')
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')
+    res = lf_bench(data='digits', epochs=1, bs=64, out=str(out), quiet=True, profile=True,
+                   methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1')
+    return out, res
+
+def test_results_json_keys_and_types(small_run):
+    out, res = small_run
+    saved = json.loads((out / 'results.json').read_text())
+    assert saved['data'] == 'digits' and isinstance(saved['target'], float) and saved['epochs'] == 1
+    assert [r['method'] for r in saved['summary']] == ['baseline', 'blf:skip_epochs=0', 'sb:start=0', 'sb:start=0,fill_batch=1']
+    for r in saved['summary']:
+        for k in ('train_s', 'wall_s', 'final_accuracy', 'mean_samp_perc', 'total_x'): assert isinstance(r[k], float), k
+        assert 0 < r['final_accuracy'] <= 1 and 0 < r['mean_samp_perc'] <= 1 and r['wall_s'] >= r['train_s'] > 0
+    base = saved['summary'][0]
+    assert base['mean_samp_perc'] == 1. and base['total_x'] == 1. and base['target_x'] == 1.
+    assert all(r['mean_samp_perc'] < 1 for r in saved['summary'][1:])
+    assert len(saved['runs']) == 4 and all(isinstance(r['history'], list) and r['history'] for r in saved['runs'])
+    assert saved['runs'][0]['kept'] == [] and all(len(r['kept']) > 0 for r in saved['runs'][1:])
+    prof = saved['profile']['blf:skip_epochs=0']
+    assert set(prof) >= {'score', 'select', 'train_kept', 'train_full', 'score_share', 'select_share', 'train_kept_share'}
+    assert math.isclose(prof['score_share'] + prof['select_share'] + prof['train_kept_share'], 1.)
+
+def test_pngs_written_and_nonempty(small_run):
+    out, _ = small_run
+    for name in ('accuracy_vs_time.png', 'kept_per_batch.png'):
+        p = out / name
+        assert p.exists() and p.stat().st_size > 1000 and p.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+def test_table_has_the_columns(small_run):
+    _, res = small_run
+    lines = format_table(res['summary']).splitlines()
+    assert lines[0].split() == [k for k, _ in _cols]
+    assert len(lines) == 5 and lines[1].split()[0] == 'baseline'
+
+def test_time_to_target_and_speedups():
+    h = lambda *pairs: [dict(train_s=t, accuracy=a) for t, a in pairs]
+    runs = [dict(method='baseline', epochs=3, train_s=30., wall_s=33., final_accuracy=.9, mean_samp_perc=1., history=h((10, .8), (20, .89), (30, .9))),
+            dict(method='blf', epochs=3, train_s=20., wall_s=23., final_accuracy=.899, mean_samp_perc=.5, history=h((8, .85), (15, .898), (20, .899))),
+            dict(method='sb', epochs=3, train_s=25., wall_s=28., final_accuracy=.85, mean_samp_perc=.6, history=h((8, .8), (16, .84), (25, .85)))]
+    rows, target = summarise(runs)
+    assert target == pytest.approx(.898)
+    by = {r['method']: r for r in rows}
+    assert by['baseline']['target_s'] == 30. and by['blf']['target_s'] == 15. and by['sb']['target_s'] is None
+    assert by['blf']['target_x'] == pytest.approx(2.) and by['blf']['total_x'] == pytest.approx(1.5)
+    assert by['sb']['target_x'] is None and '-' in format_table(rows).splitlines()[3].split()
+
+def test_repeats_report_median_and_spread():
+    h = lambda t, a: [dict(train_s=t, accuracy=a)]
+    runs = [dict(method='baseline', epochs=1, train_s=t, wall_s=t, final_accuracy=.9, mean_samp_perc=1., history=h(t, .9)) for t in (10., 12., 20.)]
+    rows, _ = summarise(runs, target=.5)
+    assert rows[0]['train_s'] == 12. and rows[0]['train_s_spread'] == 10. and rows[0]['repeats'] == 3
+    assert '±' in format_table(rows)
+
+def test_bad_methods_fail_before_training():
+    with pytest.raises(ValueError, match="unknown method 'nope'"): lf_bench(methods='baseline nope', data='digits')
+    with pytest.raises(ValueError, match='`keep`'): parse_method('sb:keep=0')
+    with pytest.raises(ValueError, match='target'): summarise([dict(method='sb', history=[])])
+
+def test_console_script_help():
+    script = Path(sys.executable).parent / 'lf_bench'             # the installed console script
+    out = subprocess.run([str(script), '--help'], capture_output=True, text=True, check=True, timeout=120).stdout
+    for opt in ('--data', '--epochs', '--bs', '--lr', '--methods', '--seed', '--out', '--repeats', '--target'): assert opt in out

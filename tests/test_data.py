@@ -1,0 +1,141 @@
+"Data loading: idx files, finding Fashion-MNIST, batches cut from tensors, digits, and the CIFAR10 folder layout."
+import gzip
+import numpy as np, pytest, torch
+from fastai.basics import Learner, CrossEntropyLossFlat, accuracy, set_seed
+import fastai.callback.all  # patches fit_one_cycle, no_bar
+import loss_filters.data as lfd
+from loss_filters.data import (read_idx, write_idx, IdxFormatError, find_fashion_mnist, FASHION_FILES, tensor_dls, TensorDL,
+                               digits_dls, load_dls, fashion_mnist_dls, make_cifar_like, cifar10_dls, simple_cnn)
+
+# ------------------------------------------------------------------ idx files
+@pytest.mark.parametrize('name', ['a.idx', 'a.idx.gz'])
+@pytest.mark.parametrize('arr', [np.arange(7, dtype=np.uint8), np.arange(60, dtype=np.uint8).reshape(3, 4, 5),
+                                 np.arange(-6, 6, dtype=np.int32).reshape(3, 4), np.linspace(0, 1, 5).astype(np.float32)])
+def test_idx_round_trip(tmp_path, name, arr):
+    write_idx(tmp_path / name, arr)
+    out = read_idx(tmp_path / name)
+    assert out.shape == arr.shape and np.array_equal(out, arr)
+
+def test_truncated_file_names_the_file(tmp_path):
+    write_idx(tmp_path / 'imgs.idx', np.zeros((4, 28, 28), np.uint8))
+    data = (tmp_path / 'imgs.idx').read_bytes()
+    (tmp_path / 'cut.idx').write_bytes(data[:-100])
+    with pytest.raises(IdxFormatError, match=r'cut\.idx: truncated or corrupt.*\(4, 28, 28\)'): read_idx(tmp_path / 'cut.idx')
+    (tmp_path / 'head.idx').write_bytes(data[:9])
+    with pytest.raises(IdxFormatError, match=r'head\.idx: truncated header'): read_idx(tmp_path / 'head.idx')
+
+def test_bad_magic_names_the_file(tmp_path):
+    (tmp_path / 'x.idx').write_bytes(b'\x89PNG\r\n\x1a\n' + bytes(20))
+    with pytest.raises(IdxFormatError, match=r'x\.idx: not an idx file \(magic number 89504e47\)'): read_idx(tmp_path / 'x.idx')
+    (tmp_path / 'empty.idx').write_bytes(b'')
+    with pytest.raises(IdxFormatError, match='empty.idx: not an idx file'): read_idx(tmp_path / 'empty.idx')
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    write_idx(tmp_path / 'l.gz', np.arange(1000, dtype=np.uint8))
+    data = (tmp_path / 'l.gz').read_bytes()
+    (tmp_path / 'cut.gz').write_bytes(data[:len(data) // 2])
+    with pytest.raises(IdxFormatError, match=r'cut\.gz: cannot be read'): read_idx(tmp_path / 'cut.gz')
+    (tmp_path / 'junk.gz').write_bytes(b'not gzip at all')
+    with pytest.raises(IdxFormatError, match=r'junk\.gz: cannot be read'): read_idx(tmp_path / 'junk.gz')
+
+# ------------------------------------------------------------------ finding Fashion-MNIST
+def _fake_fashion(d, n=20, nv=10, seed=0):
+    rng = np.random.default_rng(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    write_idx(d / FASHION_FILES['x_train'], rng.integers(0, 256, (n, 28, 28)).astype(np.uint8))
+    write_idx(d / FASHION_FILES['y_train'], (np.arange(n) % 10).astype(np.uint8))
+    write_idx(d / FASHION_FILES['x_valid'], rng.integers(0, 256, (nv, 28, 28)).astype(np.uint8))
+    write_idx(d / FASHION_FILES['y_valid'], (np.arange(nv) % 10).astype(np.uint8))
+    return d
+
+@pytest.fixture
+def places(tmp_path, monkeypatch):
+    "Every place Fashion-MNIST may be, redirected into tmp_path, with the network switched off"
+    monkeypatch.setattr(lfd, 'DEBIAN_FASHION', tmp_path / 'debian')
+    monkeypatch.setattr(lfd, 'fastai_data_dir', lambda: tmp_path / 'fastai')
+    def no_network(*a, **k): raise OSError('network unreachable (test)')
+    monkeypatch.setattr(lfd, 'download_fashion_mnist', no_network)
+    monkeypatch.delenv('LF_FASHION_MNIST', raising=False)
+    return tmp_path
+
+def test_search_order(places, monkeypatch):
+    explicit, env, debian, fastai = (_fake_fashion(places / n) for n in ('explicit', 'env', 'debian', 'fastai/fashion-mnist'))
+    monkeypatch.setenv('LF_FASHION_MNIST', str(env))
+    assert find_fashion_mnist(explicit) == explicit
+    assert find_fashion_mnist() == env
+    monkeypatch.delenv('LF_FASHION_MNIST')
+    assert find_fashion_mnist() == debian
+    import shutil; shutil.rmtree(debian)
+    assert find_fashion_mnist() == fastai
+
+def test_named_folder_without_files_is_an_error(places, monkeypatch):
+    _fake_fashion(places / 'debian')
+    with pytest.raises(FileNotFoundError, match='`path` is .*nowhere'): find_fashion_mnist(places / 'nowhere')
+    monkeypatch.setenv('LF_FASHION_MNIST', str(places / 'nowhere'))
+    with pytest.raises(FileNotFoundError, match='LF_FASHION_MNIST is'): find_fashion_mnist()
+
+def test_not_found_lists_every_place(places):
+    with pytest.raises(FileNotFoundError) as e: find_fashion_mnist()
+    msg = str(e.value)
+    for part in ("Debian's dataset-fashion-mnist", "fastai's data folder", 'download from', 'network unreachable',
+                 'dataset-fashion-mnist', 'LF_FASHION_MNIST'): assert part in msg
+
+def test_auto_falls_back_to_digits_and_says_so(places):
+    with pytest.warns(UserWarning, match='Falling back to scikit-learn'): dls, name = load_dls('auto')
+    assert name == 'digits' and dls.one_batch()[0].shape[1:] == (1, 8, 8)
+    with pytest.raises(FileNotFoundError): load_dls('fashion_mnist')
+    with pytest.raises(ValueError, match='`data`'): load_dls('mnist')
+
+def test_fashion_mnist_dls_from_a_folder(places):
+    d = _fake_fashion(places / 'fm', n=40, nv=12)
+    dls = fashion_mnist_dls(d, bs=8, device='cpu')
+    xb, yb = dls.one_batch()
+    assert xb.shape == (8, 1, 28, 28) and xb.dtype == torch.float32 and yb.dtype == torch.int64
+    assert len(dls.train) == 5 and len(dls.valid_ds) == 12 and dls.c == 10
+    x = torch.cat([b[0] for b in dls.train]); assert abs(x.mean()) < .1 and abs(x.std() - 1) < .1
+
+# ------------------------------------------------------------------ batches cut from tensors
+def test_batches_follow_get_idxs_and_stay_aligned():
+    n = 50
+    x, y = torch.arange(n, dtype=torch.float32)[:, None] * 10, torch.arange(n)
+    dls = tensor_dls(x, y, x[:7], y[:7], bs=8, device='cpu')
+    seen = []
+    for xb, yb in dls.train:
+        assert len(yb) == 8 and torch.equal(xb[:, 0], yb.float() * 10)
+        seen += yb.tolist()
+    assert len(seen) == 48 and len(set(seen)) == 48                     # shuffled, the partial batch dropped
+    assert [len(b[1]) for b in dls.valid] == [7]                         # validation keeps everything, in order
+    order = list(range(n))[::-1][:20]
+    dls.train.get_idxs = lambda: order                                   # a callback may set the order
+    assert torch.cat([yb for _, yb in dls.train]).tolist() == order[:16]
+
+def test_learner_fits_exports_and_predicts_on_digits(tmp_path):
+    set_seed(0)
+    dls = digits_dls(bs=64, device='cpu')
+    learn = Learner(dls, simple_cnn(widths=(16, 32)), loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=tmp_path)
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
+    assert learn.recorder.values[-1][-1] > .5                            # well above chance (0.1)
+    preds, targs = learn.get_preds()
+    assert preds.shape == (len(dls.valid_ds), 10)
+    learn.export(tmp_path / 'e.pkl')
+    assert (tmp_path / 'e.pkl').stat().st_size > 0
+
+@pytest.mark.skipif(not lfd.DEBIAN_FASHION.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_real_fashion_mnist_subset():
+    dls = fashion_mnist_dls(lfd.DEBIAN_FASHION, bs=128, n_train=2048, n_valid=512, device='cpu')
+    assert len(dls.train_ds) == 2048 and len(dls.valid_ds) == 512
+    xb, yb = dls.one_batch()
+    assert xb.shape == (128, 1, 28, 28) and set(yb.tolist()) <= set(range(10)) and len(set(yb.tolist())) > 5
+
+# ------------------------------------------------------------------ CIFAR10 layout
+def test_cifar_like_folder_and_dls(tmp_path):
+    p = make_cifar_like(tmp_path / 'cifar', n_per_class=3)
+    assert len(list(p.glob('train/*/*.png'))) == 30 and len(list(p.glob('test/*/*.png'))) == 30
+    dls = cifar10_dls(p, bs=6, num_workers=0, device='cpu')
+    xb, yb = dls.one_batch()
+    assert xb.shape == (6, 3, 32, 32) and len(dls.vocab) == 10 and abs(float(xb.mean())) < 3
+
+def test_cifar_bad_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match='is not a CIFAR10 folder'): cifar10_dls(tmp_path, num_workers=0)
+    (tmp_path / 'train' / 'cat').mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r'expected PNG files in .*train'): cifar10_dls(tmp_path, num_workers=0)
