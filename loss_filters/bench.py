@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_bench.ipynb #e924eed7
 from __future__ import annotations
-import json, math, platform, random, statistics, time
+import functools, json, math, platform, random, statistics, time
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
@@ -18,8 +18,8 @@ from .callback import *
 from .data import load_dls, simple_cnn
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'main', 'parse_method', 'EpochClock', 'run_method', 'time_to_target', 'summarise',
-           'format_table', 'plot_results', 'profile_step', 'lf_bench']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'parse_method', 'EpochClock', 'run_method', 'time_to_target', 'summarise',
+           'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 METHODS = dict(baseline=None, blf=BatchLossFilterCallback, sb=SelectiveBackpropCallback)
@@ -139,15 +139,18 @@ def plot_results(runs:list, target:float, out:Path) -> list:
     lo = min(e['accuracy'] for r in runs for e in r['history'][len(r['history']) // 2:])
     ax.set(xlabel='training seconds', ylabel='validation accuracy', title='Accuracy against training time',
            ylim=(lo - .02, None))
-    ax.legend(); fig.tight_layout(); paths.append(out / 'accuracy_vs_time.png'); fig.savefig(paths[-1], dpi=110); plt.close(fig)
-    filtered = [r for r in runs if r['kept']]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, m in enumerate(dict.fromkeys(r['method'] for r in runs)):
-        r = next((x for x in filtered if x['method'] == m), None)
-        if r: ax.plot(*zip(*r['kept']), '.x+1234'[i % 7], ms=3, color=f'C{i}', alpha=.7, label=m)
-    ax.set(xlabel='training iteration', ylabel='share of samples kept', ylim=(0, 1.05), title='Samples kept per batch')
-    if filtered: ax.legend(markerscale=5)
-    fig.tight_layout(); paths.append(out / 'kept_per_batch.png'); fig.savefig(paths[-1], dpi=110); plt.close(fig)
+    ax.legend(loc='upper left', fontsize=8); fig.tight_layout()
+    paths.append(out / 'accuracy_vs_time.png'); fig.savefig(paths[-1], dpi=110); plt.close(fig)
+    methods = list(dict.fromkeys(r['method'] for r in runs))
+    firsts = [(i, next(x for x in runs if x['method'] == m)) for i, m in enumerate(methods)]
+    firsts = [(i, r) for i, r in firsts if r['kept']]
+    fig, axs = plt.subplots(max(1, len(firsts)), 1, figsize=(7, 1.2 + 1.6 * max(1, len(firsts))), sharex=True, squeeze=False)
+    for ax, (i, r) in zip(axs[:, 0], firsts):
+        ax.plot(*zip(*r['kept']), '.', ms=2, color=f'C{i}')
+        ax.set(ylim=(0, 1.05), ylabel='kept'); ax.set_title(r['method'], fontsize=9)
+    axs[-1, 0].set_xlabel('training iteration')
+    fig.suptitle('Share of samples kept per batch'); fig.tight_layout()
+    paths.append(out / 'kept_per_batch.png'); fig.savefig(paths[-1], dpi=110); plt.close(fig)
     return paths
 
 # %% ../nbs/03_bench.ipynb #72c5911b
@@ -223,4 +226,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
     return res
 
-main = call_parse(lf_bench)   # the `lf_bench` console script
+@call_parse
+@functools.wraps(lf_bench)
+def main(*args, **kwargs):
+    "The `lf_bench` console script: `lf_bench` without a return value, so the exit status is 0"
+    lf_bench(*args, **kwargs)

@@ -68,3 +68,11 @@ def test_console_script_help():
     script = Path(sys.executable).parent / 'lf_bench'             # the installed console script
     out = subprocess.run([str(script), '--help'], capture_output=True, text=True, check=True, timeout=120).stdout
     for opt in ('--data', '--epochs', '--bs', '--lr', '--methods', '--seed', '--out', '--repeats', '--target'): assert opt in out
+
+def test_console_script_exits_zero(tmp_path):
+    "The installed script runs a tiny bench and exits 0 (a returned value would become exit status 1)"
+    script = Path(sys.executable).parent / 'lf_bench'
+    r = subprocess.run([str(script), '--data', 'digits', '--epochs', '1', '--bs', '128', '--methods', 'baseline blf', '--quiet',
+                        '--out', str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'final_accuracy' in r.stdout and (tmp_path / 'results.json').exists()
