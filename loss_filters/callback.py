@@ -183,8 +183,7 @@ def after_train(self:LossFilterCallback):
     scored = float(self._loss_scored)
     self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=self.n_kept / self.n_seen if self.n_seen else 1.,
                                  loss_perc=float(self._loss_kept) / scored if self.n_scored and scored > 0 else 1.,
-                                 full_loss=sum(b['full_loss'] * b['bs'] for b in self.stats if b['epoch'] == self.epoch) / self.n_scored
-                                           if self.n_scored else math.nan))
+                                 full_loss=scored / self.n_scored if self.n_scored else math.nan))
     n_bad = int(self._n_bad)
     if n_bad and not self._warned:
         self._warned = True

@@ -340,6 +340,8 @@ def test_full_batch_loss_is_recorded(digits_dls):
     learn = fit(learner(digits_dls, mlp(), metrics=accuracy).batch_loss_filter(), 2)
     ep = learn.loss_filter.epoch_stats
     assert math.isnan(ep[0]['full_loss']) and 0 < ep[1]['full_loss'] < 5
+    batches = [r for r in learn.loss_filter.stats if r['epoch'] == 1]
+    assert ep[1]['full_loss'] == pytest.approx(sum(r['full_loss'] * r['bs'] for r in batches) / sum(r['bs'] for r in batches), rel=1e-5)
     assert all(0 < r['full_loss'] for r in learn.loss_filter.stats)
 
 def test_plot_kept_returns_a_figure(digits_dls):
