@@ -168,7 +168,8 @@ def profile_step(dls, spec:str='blf', n:int=20, model_func=simple_cnn, seed:int=
     learn = Learner(dls, model_func(n_in=dls.one_batch()[0].shape[1], n_out=dls.c), loss_func=CrossEntropyLossFlat())
     cb = cb_cls(**kw)
     learn.add_cb(cb); learn.create_opt(); learn.model.train()
-    xb, yb = dls.train.one_batch()[:1], dls.train.one_batch()[1:]
+    b = dls.train.one_batch()
+    xb, yb = b[:1], b[1:]
     cb.learn.xb, cb.learn.yb, cb.score_func = xb, yb, learn.loss_func
     losses = cb.score()
     def step(x, y):
