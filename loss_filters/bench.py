@@ -7,9 +7,7 @@ from __future__ import annotations
 import functools, json, math, platform, random, statistics, time
 from pathlib import Path
 import torch
-from fastcore.basics import store_attr
-from fastcore.foundation import L
-from fastcore.script import call_parse, Param
+from fastcore.script import call_parse
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
