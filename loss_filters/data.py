@@ -48,7 +48,8 @@ def read_idx(path:str|Path) -> np.ndarray:
 # %% ../nbs/02_data.ipynb #0936eaee
 def write_idx(path:str|Path, a:np.ndarray):
     "Write `a` to `path` in the idx format, gzipped when the name ends in `.gz`"
-    code = next(k for k, v in _idx_types.items() if np.dtype(v) == a.dtype.newbyteorder('>') or np.dtype(v) == a.dtype)
+    code = next((k for k, v in _idx_types.items() if np.dtype(v).kind == a.dtype.kind and np.dtype(v).itemsize == a.dtype.itemsize), None)
+    if code is None: raise ValueError(f"the idx format has no type for {a.dtype}: use uint8, int8, int16, int32, float32 or float64")
     data = bytes([0, 0, code, a.ndim]) + np.asarray(a.shape, '>u4').tobytes() + a.astype(_idx_types[code]).tobytes()
     path = Path(path)
     with (gzip.open if path.suffix == '.gz' else open)(path, 'wb') as f: f.write(data)

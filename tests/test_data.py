@@ -16,6 +16,9 @@ def test_idx_round_trip(tmp_path, name, arr):
     out = read_idx(tmp_path / name)
     assert out.shape == arr.shape and np.array_equal(out, arr)
 
+def test_write_idx_refuses_types_it_cannot_store(tmp_path):
+    with pytest.raises(ValueError, match='no type for int64'): write_idx(tmp_path / 'x.idx', np.arange(3))
+
 def test_truncated_file_names_the_file(tmp_path):
     write_idx(tmp_path / 'imgs.idx', np.zeros((4, 28, 28), np.uint8))
     data = (tmp_path / 'imgs.idx').read_bytes()
