@@ -13,6 +13,7 @@ from fastai.callback.progress import ProgressCallback   # also patches `Learner.
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
 from .callback import *
+from .stale import StaleLossPruningCallback
 from .data import load_dls, simple_cnn
 
 # %% auto #0
@@ -20,8 +21,8 @@ __all__ = ['METHODS', 'DEFAULT_METHODS', 'parse_method', 'EpochClock', 'run_meth
            'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
-METHODS = dict(baseline=None, blf=BatchLossFilterCallback, sb=SelectiveBackpropCallback)
-DEFAULT_METHODS = 'baseline blf sb'
+METHODS = dict(baseline=None, blf=BatchLossFilterCallback, sb=SelectiveBackpropCallback, stale=StaleLossPruningCallback)
+DEFAULT_METHODS = 'baseline blf sb stale'
 
 def _value(s:str):
     for f in (int, float):
@@ -193,7 +194,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          target_drop:float=.002, # default target: this much below the baseline's final accuracy (0.2 points)
          n_train:int=None, # use only this many training examples (a quicker run)
          n_valid:int=None, # use only this many validation examples
-         profile:bool=False, # also time the pieces of one filtered step per filter method
+         profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the same model with and without each loss filter and compare time to accuracy"
     specs = methods.split()
@@ -210,7 +211,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
             print(f"\n== {s} (repeat {rep + 1}/{repeats})")
             runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=seed, show_progress=not quiet) | dict(repeat=rep))
     rows, tgt = summarise(runs, target, target_drop)
-    prof = {s: profile_step(dls, s) for s in specs if parse_method(s)[1] is not None} if profile else {}
+    scored = [s for s in specs if (c := parse_method(s)[1]) is not None and c.select is not LossFilterCallback.select]
+    prof = {s: profile_step(dls, s) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
                seed=seed, repeats=repeats, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),
                torch=torch.__version__, cuda=torch.cuda.is_available()), summary=rows, runs=runs, profile=prof)

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['check_range', 'check_per_sample', 'per_sample_loss', 'select_by_rank', 'select_by_loss_share', 'check_schedule',
-           'should_select']
+__all__ = ['check_range', 'check_per_sample', 'per_sample_loss', 'select_by_rank', 'select_by_loss_share', 'prune_by_stale_loss',
+           'check_schedule', 'should_select']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -120,6 +120,24 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
     return order[:min(k, n)]
 
 # %% ../nbs/00_core.ipynb #dc0f3949
+def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of the dataset, NaN where unknown
+                        prune:float=.5, # share of the below-mean examples to drop, in [0, 1)
+                        generator:torch.Generator|None=None # random source, on the losses' device
+                       ) -> tuple: # (`keep`: bool mask, `weights`: 1, or `1/(1-prune)` for kept below-mean examples)
+    "InfoBatch-style pruning: drop a random share `prune` of the below-mean-loss examples, up-weight the rest of them"
+    _check_losses(losses)
+    check_range('prune', prune, 0, 1, hi_open=True)
+    known = ~losses.isnan()
+    keep, weights = torch.ones_like(known), torch.ones_like(losses)
+    if not known.any() or prune == 0: return keep, weights
+    low = (losses < losses[known].mean()) & known
+    low_idx = low.nonzero().squeeze(1)
+    n_prune = int(prune * len(low_idx))
+    keep[low_idx[torch.randperm(len(low_idx), device=losses.device, generator=generator)[:n_prune]]] = False
+    weights[low & keep] = 1 / (1 - prune)
+    return keep, weights
+
+# %% ../nbs/00_core.ipynb #9e618dbb
 def check_schedule(start:float, end:float, interrupt:int):
     "Raise a `ValueError` naming the argument when `start`, `end` or `interrupt` is out of range"
     check_range('start', start, 0, 1)

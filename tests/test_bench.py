@@ -8,22 +8,24 @@ from loss_filters.bench import lf_bench, summarise, format_table, time_to_target
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
     res = lf_bench(data='digits', epochs=1, bs=64, out=str(out), quiet=True, profile=True,
-                   methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1')
+                   methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1 stale:prune=.9')
     return out, res
 
 def test_results_json_keys_and_types(small_run):
     out, res = small_run
     saved = json.loads((out / 'results.json').read_text())
     assert saved['data'] == 'digits' and isinstance(saved['target'], float) and saved['epochs'] == 1
-    assert [r['method'] for r in saved['summary']] == ['baseline', 'blf:skip_epochs=0', 'sb:start=0', 'sb:start=0,fill_batch=1']
+    assert [r['method'] for r in saved['summary']] == ['baseline', 'blf:skip_epochs=0', 'sb:start=0', 'sb:start=0,fill_batch=1', 'stale:prune=.9']
     for r in saved['summary']:
         for k in ('train_s', 'wall_s', 'final_accuracy', 'mean_samp_perc', 'total_x'): assert isinstance(r[k], float), k
         assert 0 < r['final_accuracy'] <= 1 and 0 < r['mean_samp_perc'] <= 1 and r['wall_s'] >= r['train_s'] > 0
     base = saved['summary'][0]
     assert base['mean_samp_perc'] == 1. and base['total_x'] == 1. and base['target_x'] == 1.
-    assert all(r['mean_samp_perc'] < 1 for r in saved['summary'][1:])
-    assert len(saved['runs']) == 4 and all(isinstance(r['history'], list) and r['history'] for r in saved['runs'])
-    assert saved['runs'][0]['kept'] == [] and all(len(r['kept']) > 0 for r in saved['runs'][1:])
+    assert all(r['mean_samp_perc'] < 1 for r in saved['summary'][1:4])
+    assert saved['summary'][4]['mean_samp_perc'] == 1.              # one epoch: stale pruning has no losses yet
+    assert len(saved['runs']) == 5 and all(isinstance(r['history'], list) and r['history'] for r in saved['runs'])
+    assert saved['runs'][0]['kept'] == [] and all(len(r['kept']) > 0 for r in saved['runs'][1:4])
+    assert 'stale:prune=.9' not in saved['profile']                    # no scoring pass to profile
     prof = saved['profile']['blf:skip_epochs=0']
     assert set(prof) >= {'score', 'select', 'train_kept', 'train_full', 'score_share', 'select_share', 'train_kept_share'}
     assert math.isclose(prof['score_share'] + prof['select_share'] + prof['train_kept_share'], 1.)
@@ -38,7 +40,7 @@ def test_table_has_the_columns(small_run):
     _, res = small_run
     lines = format_table(res['summary']).splitlines()
     assert lines[0].split() == [k for k, _ in _cols]
-    assert len(lines) == 5 and lines[1].split()[0] == 'baseline'
+    assert len(lines) == 6 and lines[1].split()[0] == 'baseline'
 
 def test_time_to_target_and_speedups():
     h = lambda *pairs: [dict(train_s=t, accuracy=a) for t, a in pairs]

@@ -1,0 +1,147 @@
+"Stale-loss pruning: the pure pruning rule, and the callback on real Learners with losses the test controls."
+import math
+import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
+from fastai.callback.all import MixUp
+from loss_filters.core import prune_by_stale_loss
+from loss_filters.stale import StaleLossPruningCallback
+from loss_filters.callback import BatchLossFilterCallback
+from conftest import make_dls, mlp
+
+nan = math.nan
+
+# ------------------------------------------------------------------ the rule
+def test_prune_counts_only_below_mean_and_weights_the_rest():
+    l = torch.tensor([.1, .2, .3, .4, 5., 6., nan, .05])      # mean of known = 1.72; 5 below it
+    keep, w = prune_by_stale_loss(l, .5, generator=torch.Generator().manual_seed(1))
+    low = (l < 1.72)
+    assert int((~keep).sum()) == 2                               # floor(.5 * 5)
+    assert not (~keep & ~low).any()                              # never prunes hard or unknown examples
+    assert torch.equal(w, torch.where(low & keep, 2., 1.))
+    keep0, w0 = prune_by_stale_loss(l, 0.)
+    assert keep0.all() and (w0 == 1).all()
+    keep_u, _ = prune_by_stale_loss(torch.full((5,), nan), .5)
+    assert keep_u.all()
+
+def test_pruned_examples_are_uniform_over_the_below_mean_ones():
+    l = torch.tensor([.1, .2, .3, .4, .5, .6, 9., 9.])          # 6 below the mean, floor(.5*6) = 3 pruned per draw
+    g, draws = torch.Generator().manual_seed(0), 6000
+    counts = np.zeros(8)
+    for _ in range(draws): counts += (~prune_by_stale_loss(l, .5, generator=g)[0]).numpy()
+    assert counts[6] == counts[7] == 0
+    exp = draws * 3 / 6
+    stat = ((counts[:6] - exp) ** 2 / exp).sum()
+    assert stat < 20.5                                           # chi-square, 5 df, p = .001
+    assert not ((counts[:6] - draws * .25) ** 2 / (draws * .25)).sum() < 20.5   # a wrong rate is rejected
+
+@pytest.mark.parametrize('kw,name', [(dict(prune=1.), 'prune'), (dict(prune=-.1), 'prune'), (dict(anneal=1.5), 'anneal')])
+def test_bad_arguments(kw, name):
+    with pytest.raises(ValueError, match=f'`{name}`'): StaleLossPruningCallback(**kw)
+
+# ------------------------------------------------------------------ the callback, with fixed losses
+class FixedLogits(nn.Module):
+    "Logits are all input columns but the last, which is the example's id; nothing to learn at lr=0"
+    def __init__(self): super().__init__(); self.w = nn.Parameter(torch.zeros(1))
+    def forward(self, x): return x[:, :-1] + 0 * self.w
+
+class Steps(Callback):
+    "Ids, per-example losses and loss_grad of every training step"
+    order = 100
+    def before_fit(self): self.steps = []
+    def after_loss(self):
+        if self.training:
+            self.steps.append((self.epoch, self.xb[0][:, -1].long().clone(), float(self.loss_grad), float(self.loss)))
+
+def fixed_learner(n=256, bs=32, **kw):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, 4, generator=g) * 3
+    x = torch.cat([logits, torch.arange(n, dtype=torch.float32)[:, None]], 1)
+    y = torch.randint(0, 4, (n,), generator=g)
+    dls = make_dls(x, y, bs=bs, valid_pct=.25)
+    learn = Learner(dls, FixedLogits(), loss_func=CrossEntropyLossFlat(), lr=0., **kw)
+    losses = F.cross_entropy(logits, y, reduction='none')
+    return learn, losses
+
+def _fit(learn, n, lr=0., one_cycle=False):
+    with learn.no_bar(), learn.no_logging(): (learn.fit_one_cycle if one_cycle else learn.fit)(n, lr)
+
+def test_full_data_first_and_in_the_annealing_tail_pruned_between():
+    learn, losses = fixed_learner()
+    cb = StaleLossPruningCallback(prune=.5, anneal=.25)
+    steps = Steps()
+    learn.add_cbs([cb, steps])
+    _fit(learn, 8)
+    train_pos = torch.tensor(sorted(learn.dls.train_ds[i][0][-1].long().item() for i in range(len(learn.dls.train_ds))))
+    n = len(train_pos)
+    l = losses[train_pos]
+    n_low = int((l < l.mean()).sum())
+    samp = [e['samp_perc'] for e in cb.epoch_stats]
+    assert samp[0] == 1. and samp[6] == samp[7] == 1.            # epochs 6, 7 >= 8 * (1 - .25)
+    for s in samp[1:6]: assert s == pytest.approx((n - n_low // 2) / n)
+    ids_of = lambda ep: torch.cat([s[1] for s in steps.steps if s[0] == ep]).tolist()
+    low = {int(p) for p, v in zip(train_pos, l) if v < l.mean()}
+    tail = (n - n_low // 2) % 32                                 # drop_last leaves the end of the kept order out
+    for ep in range(1, 6):
+        trained = ids_of(ep)
+        assert len(trained) == len(set(trained))                 # nobody twice
+        left_out = set(train_pos.tolist()) - set(trained)
+        assert len(left_out) == n_low // 2 + tail
+        assert len(left_out & low) >= n_low // 2 and len(left_out - low) <= tail   # the pruned are all below the mean
+    for ep in (0, 6, 7): assert len(ids_of(ep)) == n                          # full data
+
+def test_loss_grad_upweights_exactly_the_kept_easy_examples():
+    learn, losses = fixed_learner()
+    cb, steps = StaleLossPruningCallback(prune=.5, anneal=0.), Steps()
+    learn.add_cbs([cb, steps])
+    _fit(learn, 3)
+    train_pos = torch.tensor([learn.dls.train_ds[i][0][-1].long().item() for i in range(len(learn.dls.train_ds))])
+    mean = losses[train_pos].mean()
+    checked = 0
+    for ep, ids, loss_grad, loss in steps.steps:
+        l = losses[ids]
+        if ep == 0: assert loss_grad == pytest.approx(float(l.mean()), rel=1e-5); continue
+        w = torch.where(l < mean, 2., 1.)                         # every kept below-mean example weighs 1/(1-.5)
+        assert loss_grad == pytest.approx(float((l * w).mean()), rel=1e-5)
+        assert loss == pytest.approx(float(l.mean()), rel=1e-5)   # the reported loss stays unweighted
+        checked += 1
+    assert checked > 0
+
+def test_schedule_ends_at_100_percent_with_fewer_batches(digits_dls):
+    set_seed(0)
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), metrics=accuracy).stale_loss_pruning(prune=.7)
+    _fit(learn, 4, lr=1e-2, one_cycle=True)
+    full = len(digits_dls.train)
+    assert learn.train_iter < 4 * full                           # epochs 1 and 2 had fewer batches
+    assert learn.pct_train == pytest.approx(1.)
+    lrs = learn.recorder.hps['lr']
+    assert lrs[-1] < max(lrs) / 100                               # the one-cycle schedule ran to its end
+    assert learn.recorder.values[-1][2] > .8
+
+def test_loader_order_restored_after_fit_and_after_an_error(digits_dls):
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat()).stale_loss_pruning()
+    dl = digits_dls.train
+    n0 = dl.n
+    _fit(learn, 3, lr=1e-2)
+    assert dl.n == n0 and 'get_idxs' not in dl.__dict__
+    class Boom(Callback):
+        def after_batch(self):
+            if self.epoch == 1 and self.iter == 2: raise RuntimeError('boom')
+    learn.add_cb(Boom())
+    with pytest.raises(RuntimeError, match='boom'): _fit(learn, 3, lr=1e-2)
+    learn.remove_cb(learn.boom)
+    _fit(learn, 1, lr=1e-2)                                      # the next fit repairs what the failed one left
+    assert dl.n == n0 and 'get_idxs' not in dl.__dict__ and len(list(dl)) == len(dl)
+
+def test_columns_once_and_lr_find_untouched(digits_dls):
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), metrics=accuracy).stale_loss_pruning()
+    for _ in range(2): _fit(learn, 2, lr=1e-2)
+    names = list(learn.recorder.metric_names)
+    assert names.count('samp_perc') == 1 and names.count('loss_perc') == 1
+    with learn.no_bar(): learn.lr_find(num_it=10, show_plot=False)
+    assert digits_dls.train.n == len(digits_dls.train_ds) and 'get_idxs' not in digits_dls.train.__dict__
+
+def test_refuses_mixup_and_a_second_filter(digits_dls):
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=MixUp()).stale_loss_pruning()
+    with pytest.raises(ValueError, match='MixUp'): _fit(learn, 1, lr=1e-2)
+    learn2 = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=[StaleLossPruningCallback(), BatchLossFilterCallback()])
+    with pytest.raises(ValueError, match='only one loss filter'): _fit(learn2, 1, lr=1e-2)
