@@ -13,7 +13,7 @@ test: sync pytest nbtest test-latest
 # Create the development environment when missing; reinstall when the metadata changes.
 $(BIN)/.installed: setup.py settings.ini
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,distributed]'
 	touch $@
 
 install: $(BIN)/.installed
@@ -35,7 +35,7 @@ nbtest: install
 # The library does not pin fastai: run the pytest suite against the newest release too.
 $(VENV_LATEST)/.installed: setup.py settings.ini
 	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
-	$(VENV_LATEST)/bin/python -m pip install -q -U -e . fastai pytest hypothesis scikit-learn matplotlib
+	$(VENV_LATEST)/bin/python -m pip install -q -U -e '.[distributed]' fastai pytest hypothesis scikit-learn matplotlib
 	touch $@
 
 test-latest: $(VENV_LATEST)/.installed

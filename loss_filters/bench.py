@@ -17,11 +17,14 @@ from .stale import StaleLossPruningCallback
 from .data import load_dls, simple_cnn
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'parse_method', 'EpochClock', 'run_method', 'time_to_target', 'summarise',
-           'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'parse_method', 'valid_accuracy', 'EpochClock', 'run_method', 'time_to_target',
+           'summarise', 'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
-METHODS = dict(baseline=None, blf=BatchLossFilterCallback, sb=SelectiveBackpropCallback, stale=StaleLossPruningCallback)
+_gn = dict(score='grad_norm')
+METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(SelectiveBackpropCallback, {}),
+               stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
+               sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn))
 DEFAULT_METHODS = 'baseline blf sb stale'
 
 def _value(s:str):
@@ -34,35 +37,60 @@ def parse_method(spec:str) -> tuple:
     "`'sb:keep=.3,start=.2'` -> `('sb:keep=.3,start=.2', SelectiveBackpropCallback, {'keep': .3, 'start': .2})`"
     name, _, args = spec.partition(':')
     if name not in METHODS: raise ValueError(f"unknown method {name!r} in `methods`; choose from {', '.join(METHODS)}")
+    cls, defaults = METHODS[name]
     kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if a.strip()))
-    if METHODS[name] is None and kw: raise ValueError(f"`{name}` takes no settings, got {kw}")
-    if METHODS[name] is not None: METHODS[name](**kw)   # bad settings fail now, not after the baseline has trained
-    return spec, METHODS[name], kw
+    if cls is None and kw: raise ValueError(f"`{name}` takes no settings, got {kw}")
+    kw = {**defaults, **kw}
+    if cls is not None: cls(**kw)   # bad settings fail now, not after the baseline has trained
+    return spec, cls, kw
 
 # %% ../nbs/03_bench.ipynb #6ac741b7
 def _sync():
     if torch.cuda.is_available(): torch.cuda.synchronize()
 
+def valid_accuracy(model, dl) -> float:
+    "Accuracy of `model` on every batch of `dl`, in eval mode and without gradients; the mode is put back after"
+    was, correct, n = model.training, 0, 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for xb, yb in dl: correct, n = correct + (model(xb).argmax(-1) == yb).sum(), n + len(yb)
+    finally: model.train(was)
+    return float(correct) / n
+
 class EpochClock(Callback):
-    "Training seconds, fit seconds and validation results at every epoch end"
+    "Training seconds, fit seconds and validation results at every epoch end (and `evals_per_epoch - 1` times inside)"
     order = 70   # after the Recorder has the epoch's values
+    def __init__(self, evals_per_epoch:int=1): self.evals_per_epoch = evals_per_epoch
     def before_fit(self): self.train_s, self.t_fit, self.history = 0., time.perf_counter(), []
     def before_train(self): _sync(); self.t0 = time.perf_counter()
     def after_train(self): _sync(); self.train_s += time.perf_counter() - self.t0
+    def after_batch(self):
+        if not self.training or self.evals_per_epoch < 2: return
+        k, n = self.evals_per_epoch, self.n_iter
+        if self.iter + 1 not in {round(n * j / k) for j in range(1, k)} - {n}: return
+        _sync(); self.train_s += time.perf_counter() - self.t0
+        acc = valid_accuracy(self.learn.model, self.dls.valid)
+        self.history.append(dict(epoch=self.epoch + (self.iter + 1) / n, train_s=self.train_s,
+                                 wall_s=time.perf_counter() - self.t_fit, accuracy=acc, valid_loss=None, samp_perc=None))
+        _sync(); self.t0 = time.perf_counter()
     def after_epoch(self):
         rec = dict(zip(self.recorder.metric_names[1:], self.recorder.values[-1]))
-        self.history.append(dict(epoch=self.epoch, train_s=self.train_s, wall_s=time.perf_counter() - self.t_fit,
+        self.history.append(dict(epoch=self.epoch + 1, train_s=self.train_s, wall_s=time.perf_counter() - self.t_fit,
                                  accuracy=rec.get('accuracy'), valid_loss=rec.get('valid_loss'),
                                  samp_perc=rec.get('samp_perc', 1.)))
 
 # %% ../nbs/03_bench.ipynb #5a924cac
-def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model_func=simple_cnn, show_progress:bool=True) -> dict:
+def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_' for c in spec)
+
+def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model_func=simple_cnn, show_progress:bool=True,
+               diag:Path|None=None, evals_per_epoch:int=1) -> dict:
     "Train one method from `seed` and return its timings, history and kept shares"
     name, cb_cls, kw = parse_method(spec)
     set_seed(seed, reproducible=True)
     for dl in dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
     model = model_func(n_in=dls.one_batch()[0].shape[1], n_out=dls.c)
-    clock = EpochClock()
+    clock = EpochClock(evals_per_epoch)
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=clock)
     if cb_cls is not None: learn.add_cb(cb_cls(**kw))
     if show_progress: learn.fit_one_cycle(epochs, lr)
@@ -70,16 +98,25 @@ def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model_fun
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr)
     h = clock.history
     filt = getattr(learn, 'loss_filter', None)
-    return dict(method=name, epochs=epochs, train_s=clock.train_s, wall_s=h[-1]['wall_s'], final_accuracy=h[-1]['accuracy'],
-                mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h), history=h,
+    diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(name)}.png') if diag is not None and filt is not None else None
+    return dict(diagnostics=diag, method=name, epochs=epochs, train_s=clock.train_s, wall_s=h[-1]['wall_s'], final_accuracy=h[-1]['accuracy'],
+                mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None), history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
 
-# %% ../nbs/03_bench.ipynb #33f64684
+# %% ../nbs/03_bench.ipynb #c7872268
+def _save_diagnostics(cb, path:Path):
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig = cb.plot_diagnostics()
+    fig.savefig(path, dpi=100); plt.close(fig)
+    return str(path)
+
+# %% ../nbs/03_bench.ipynb #83b45806
 def time_to_target(history:list, target:float) -> float|None:
-    "Training seconds at the first epoch end whose accuracy reaches `target`, or None"
+    "Training seconds at the first check whose accuracy reaches `target`, or None"
     return next((e['train_s'] for e in history if e['accuracy'] is not None and e['accuracy'] >= target - 1e-9), None)
 
-# %% ../nbs/03_bench.ipynb #52d5a892
+# %% ../nbs/03_bench.ipynb #632ee1d9
 def _med(xs):
     xs = [x for x in xs if x is not None]
     return (statistics.median(xs), max(xs) - min(xs)) if xs else (None, None)
@@ -106,7 +143,7 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002) -> tupl
         r['total_x'] = b['train_s'] / r['train_s'] if b else None
     return rows, target
 
-# %% ../nbs/03_bench.ipynb #632ee1d9
+# %% ../nbs/03_bench.ipynb #808f691a
 _cols = [('method', '{}'), ('epochs', '{}'), ('wall_s', '{:.1f}'), ('train_s', '{:.1f}'), ('target_s', '{:.1f}'),
          ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x')]
 
@@ -122,7 +159,7 @@ def format_table(rows:list) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(_cols))]
     return '\n'.join('  '.join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
 
-# %% ../nbs/03_bench.ipynb #1c5e4288
+# %% ../nbs/03_bench.ipynb #26e3ad14
 def plot_results(runs:list, target:float, out:Path) -> list:
     "Write accuracy against training seconds, and the share kept per batch, as PNGs in `out`"
     import matplotlib; matplotlib.use('Agg')
@@ -152,7 +189,7 @@ def plot_results(runs:list, target:float, out:Path) -> list:
     paths.append(out / 'kept_per_batch.png'); fig.savefig(paths[-1], dpi=110); plt.close(fig)
     return paths
 
-# %% ../nbs/03_bench.ipynb #72c5911b
+# %% ../nbs/03_bench.ipynb #32afe6b3
 def _timed(f, n):
     f(); _sync()
     t = time.perf_counter()
@@ -170,18 +207,18 @@ def profile_step(dls, spec:str='blf', n:int=20, model_func=simple_cnn, seed:int=
     b = dls.train.one_batch()
     xb, yb = b[:1], b[1:]
     cb.learn.xb, cb.learn.yb, cb.score_func = xb, yb, learn.loss_func
-    losses = cb.score()
+    losses = cb.score_batch()[1]
     def step(x, y):
         loss = learn.loss_func(learn.model(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
     idxs = cb.select(losses)
-    res = dict(score=_timed(cb.score, n), select=_timed(lambda: take(xb + yb, cb.select(losses)), n),
+    res = dict(score=_timed(cb.score_batch, n), select=_timed(lambda: take(xb + yb, cb.select(losses)), n),
                train_kept=_timed(lambda: step(take(xb, idxs), take(yb, idxs)), n), train_full=_timed(lambda: step(xb, yb), n))
     res['kept'], res['bs'] = len(idxs), len(losses)
     total = res['score'] + res['select'] + res['train_kept']
     res.update({f'{k}_share': res[k] / total for k in ('score', 'select', 'train_kept')})
     return res
 
-# %% ../nbs/03_bench.ipynb #1a5431e0
+# %% ../nbs/03_bench.ipynb #a9c2fc68
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
          epochs:int=5, # epochs per fit
          bs:int=256, # batch size
@@ -194,12 +231,13 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          target_drop:float=.002, # default target: this much below the baseline's final accuracy (0.2 points)
          n_train:int=None, # use only this many training examples (a quicker run)
          n_valid:int=None, # use only this many validation examples
+         evals_per_epoch:int=1, # validation accuracy checks per epoch for the time to target; the extra ones are not timed
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the same model with and without each loss filter and compare time to accuracy"
     specs = methods.split()
     for s in specs: parse_method(s)
-    if epochs < 1 or repeats < 1: raise ValueError("`epochs` and `repeats` must be >= 1")
+    if epochs < 1 or repeats < 1 or evals_per_epoch < 1: raise ValueError("`epochs`, `repeats` and `evals_per_epoch` must be >= 1")
     dls, data_name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     print(f"lf_bench: {data_name}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, epochs={epochs}, "
@@ -209,15 +247,16 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     for rep in range(repeats):
         for s in specs:
             print(f"\n== {s} (repeat {rep + 1}/{repeats})")
-            runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=seed, show_progress=not quiet) | dict(repeat=rep))
+            runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=seed, show_progress=not quiet,
+                                   diag=out if rep == 0 else None, evals_per_epoch=evals_per_epoch) | dict(repeat=rep))
     rows, tgt = summarise(runs, target, target_drop)
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
-               seed=seed, repeats=repeats, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),
+               seed=seed, repeats=repeats, evals_per_epoch=evals_per_epoch, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),
                torch=torch.__version__, cuda=torch.cuda.is_available()), summary=rows, runs=runs, profile=prof)
     (out / 'results.json').write_text(json.dumps(res, indent=1))
-    plots = plot_results(runs, tgt, out)
+    plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
     print(f"\nTarget accuracy {tgt:.4f}; times are training seconds (validation excluded), medians over {repeats} repeat(s)")
     print(format_table(rows))
     for s, p in prof.items():

@@ -68,15 +68,20 @@ class LossFilterCallback(Callback):
                  interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
                  scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
                  skip_epochs:int=0, # leave this many first epochs of each fit unfiltered
-                 fill_batch:bool=False): # pool kept examples and train only on full batches
+                 fill_batch:bool=False, # pool kept examples and train only on full batches
+                 score:str='loss'): # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
         check_schedule(start, end, interrupt)
         check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
         if isinstance(skip_epochs, bool) or not isinstance(skip_epochs, int) or skip_epochs < 0:
             raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
-        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch')
+        check_score(score)
+        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score')
 
-    def select(self, losses:Tensor) -> Tensor:
-        "Indices of the examples to train on, from their per-example `losses`"
+    hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
+    _local_sums = ('n_seen', 'n_kept', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
+
+    def select(self, scores:Tensor) -> Tensor:
+        "Indices of the examples to train on, from their per-example `scores`"
         raise NotImplementedError
 
     def is_active(self) -> bool:
@@ -91,8 +96,12 @@ def before_fit(self:LossFilterCallback):
     others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterCallback) and cb is not self]
     if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
     check_per_sample(self.learn.loss_func)
+    if self.fill_batch and dist_world()[1] > 1:
+        raise ValueError("`fill_batch=True` cannot run with several processes: the ranks would skip different steps and "
+                         "DistributedDataParallel would wait forever for the missing gradients")
     self.score_func = self.learn.loss_func
     self.stats, self.epoch_stats, self._warned = L(), L(), False
+    self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
     self.learn.metrics = _without_shares(self.learn.metrics) + [_ShareMetric(self._samp_perc, 'samp_perc'),
                                                                 _ShareMetric(self._loss_perc, 'loss_perc')]
 
@@ -109,17 +118,22 @@ def _without_shares(metrics): return L(m for m in metrics if not isinstance(m, _
 # %% ../nbs/01_callback.ipynb #47cce76e
 @patch
 def before_train(self:LossFilterCallback):
-    self.n_seen, self.n_kept, self.n_scored = 0, 0, 0
-    self._loss_kept = self._loss_scored = self._n_bad = 0.
-    self._batches, self.pool = [], BatchPool()
+    self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
+    self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
+    self._batches, self.pool, self.iter0 = [], BatchPool(), self.train_iter
+
+def _unwrap(model:nn.Module) -> nn.Module:
+    "The model inside a `DistributedDataParallel` wrapper: its forward would synchronise buffers across ranks"
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 @patch
-def score(self:LossFilterCallback) -> Tensor:
-    "Per-example losses of the current batch from a no-grad forward pass that leaves no trace on the model"
-    mp = getattr(self.learn, 'mixed_precision', None)
-    with torch.no_grad(), getattr(mp, 'autocast', None) or nullcontext(), frozen_norm_stats(self.learn.model):
-        pred = self.learn.model(*downsample(self.learn.xb, self.scale_factor))
-        return per_sample_loss(self.score_func, pred, *self.learn.yb).float()
+def score_batch(self:LossFilterCallback) -> tuple:
+    "Per-example losses and scores of the current batch, from a no-grad forward pass that leaves no trace on the model"
+    mp, model = getattr(self.learn, 'mixed_precision', None), _unwrap(self.learn.model)
+    with torch.no_grad(), getattr(mp, 'autocast', None) or nullcontext(), frozen_norm_stats(model):
+        pred = model(*downsample(self.learn.xb, self.scale_factor))
+        losses, scores = loss_and_score(self.score, self.score_func, pred, *self.learn.yb)
+    return losses.float(), scores.float()
 
 @patch
 def before_batch(self:LossFilterCallback):
@@ -127,21 +141,25 @@ def before_batch(self:LossFilterCallback):
     self.n_seen += bs
     idxs = None
     if self.is_active():
-        losses = self.score()
-        idxs = self.select(losses)
-        self._record(losses, idxs, bs)
+        losses, scores = self.score_batch()
+        idxs = self.select(scores)
+        self._record(losses, scores, idxs, bs)
     else: self.n_kept += bs
     if self.fill_batch: self._fill(idxs)
     elif idxs is not None and len(idxs) < bs: self.learn.xb, self.learn.yb = take(self.learn.xb, idxs), take(self.learn.yb, idxs)
 
 @patch
-def _record(self:LossFilterCallback, losses:Tensor, idxs:Tensor, bs:int):
-    finite = torch.where(losses.isfinite(), losses, 0.)
+def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
+    "Keep the batch's numbers on the device: kept count, kept share of the score, full-batch loss, score histogram"
+    finite = torch.where(scores.isfinite(), scores, 0.)
     kept, total = finite[idxs].sum(), finite.sum()
     self.n_kept += len(idxs); self.n_scored += bs
     self._loss_kept, self._loss_scored = self._loss_kept + kept, self._loss_scored + total
-    self._n_bad = self._n_bad + (bs - losses.isfinite().sum())
-    self._batches.append((self.train_iter, len(idxs), bs, torch.where(total > 0, kept / total, 1.), finite.mean()))
+    self._n_bad = self._n_bad + (bs - scores.isfinite().sum())
+    full = torch.where(losses.isfinite(), losses, 0.)
+    self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + bs
+    self._batches.append((self.train_iter, len(idxs), bs, torch.where(total > 0, kept / total, 1.), full.mean()))
+    self.hist.add(scores, self.train_iter, idxs)
 
 # %% ../nbs/01_callback.ipynb #c6c30afa
 def _cat(parts:list):
@@ -175,7 +193,16 @@ def _fill(self:LossFilterCallback, idxs:Tensor|None):
 
 # %% ../nbs/01_callback.ipynb #e12282a9
 @patch
+def _reduce_sums(self:LossFilterCallback):
+    "Sum the epoch's counts over all ranks, in one collective (nothing to do with one process)"
+    if dist_world()[1] == 1: return
+    names = self._local_sums
+    tot = all_reduce_sum(torch.stack([torch.as_tensor(getattr(self, k)).detach().to('cpu', torch.float64) for k in names]))
+    for k, v in zip(names, tot.tolist()): setattr(self, k, v)
+
+@patch
 def after_train(self:LossFilterCallback):
+    self._reduce_sums()
     if self._batches:
         shares, full = torch.stack([b[3] for b in self._batches]).tolist(), torch.stack([b[4] for b in self._batches]).tolist()
         self.stats += [dict(iter=b[0], kept=b[1], bs=b[2], loss_share=s, full_loss=f, epoch=self.epoch)
@@ -183,7 +210,8 @@ def after_train(self:LossFilterCallback):
     scored = float(self._loss_scored)
     self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=self.n_kept / self.n_seen if self.n_seen else 1.,
                                  loss_perc=float(self._loss_kept) / scored if self.n_scored and scored > 0 else 1.,
-                                 full_loss=scored / self.n_scored if self.n_scored else math.nan))
+                                 full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
+                                 iter0=self.iter0, n_iter=self.train_iter - self.iter0))
     n_bad = int(self._n_bad)
     if n_bad and not self._warned:
         self._warned = True
@@ -195,16 +223,74 @@ def _samp_perc(self:LossFilterCallback): return self.epoch_stats[-1]['samp_perc'
 def _loss_perc(self:LossFilterCallback): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
 
 # %% ../nbs/01_callback.ipynb #e58e470b
-@patch
-def plot_kept(self:LossFilterCallback, ax=None):
-    "Share of each filtered batch that was kept, over training iterations"
+def _axes(ax):
     import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([b['iter'] for b in self.stats], [b['kept'] / b['bs'] for b in self.stats], '.', ms=3)
-    ax.set(xlabel='training iteration', ylabel='share of samples kept', ylim=(0, 1.05), title=type(self).__name__)
+    return ax if ax is not None else plt.subplots(figsize=(6, 3.5))[1]
+
+def _note_if_empty(ax, empty:bool, what='no batch filtered yet'):
+    if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
+
+@patch
+def _epoch_lines(self:LossFilterCallback, ax):
+    for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
+
+@patch
+def _per_batch(self:LossFilterCallback, ax, ys:list, ylabel:str, title:str):
+    stats = L(getattr(self, 'stats', []))
+    ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
+    self._epoch_lines(ax)
+    ax.set(xlabel='training iteration', ylabel=ylabel, ylim=(0, 1.05), title=title)
+    _note_if_empty(ax, not stats)
     return ax.figure
 
+@patch
+def plot_kept(self:LossFilterCallback, ax=None):
+    "Share of each filtered batch that was kept for the backward pass, over training iterations"
+    stats = L(getattr(self, 'stats', []))
+    return self._per_batch(_axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
+
+@patch
+def plot_loss_share(self:LossFilterCallback, ax=None):
+    "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
+    stats = L(getattr(self, 'stats', []))
+    return self._per_batch(_axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
+
 # %% ../nbs/01_callback.ipynb #13eb0110
+@patch
+def plot_score_hist(self:LossFilterCallback, axs=None):
+    "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
+    from matplotlib.colors import LogNorm
+    import matplotlib.pyplot as plt
+    if axs is None: _, axs = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    hist = getattr(self, 'hist', None) or ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+    counts, its, edges = hist.table()
+    total = counts[:, 0].sum(1, keepdim=True).clamp(min=1).float()
+    xs = torch.cat([its, its[-1:] + hist.stride]) if len(its) else torch.tensor([0., 1.])
+    mesh = None
+    for ax, c, title in zip(axs, (counts[:, 0], counts[:, 0] - counts[:, 1]), ('every scored example', 'cut by the filter')):
+        share = (c.float() / total).T.numpy() if len(its) else torch.zeros(len(edges) - 1, 1).numpy()
+        share[share == 0] = float('nan')
+        mesh = ax.pcolormesh(xs.numpy(), edges.numpy(), share, norm=LogNorm(1e-4, 1), cmap='viridis', shading='flat')
+        self._epoch_lines(ax)
+        ax.set(yscale='log', xlabel='training iteration', title=f'{self.score}: {title}')
+        _note_if_empty(ax, not len(its))
+    axs[0].set_ylabel(f'per-example {self.score}')
+    axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
+    return axs[0].figure
+
+@patch
+def plot_diagnostics(self:LossFilterCallback):
+    "Samples kept and score share kept per batch, and the score histogram heat maps, in one figure"
+    import matplotlib.pyplot as plt
+    fig = plt.figure(figsize=(12, 7), layout='constrained')
+    top, bottom = fig.subfigures(2, 1)
+    a, b = top.subplots(1, 2)
+    self.plot_kept(a); self.plot_loss_share(b)
+    self.plot_score_hist(bottom.subplots(1, 2, sharey=True))
+    fig.suptitle(type(self).__name__)
+    return fig
+
+# %% ../nbs/01_callback.ipynb #68566b8d
 class SelectiveBackpropCallback(LossFilterCallback):
     "Selective Backprop: train on a share `keep` of each batch, drawn with probability rising with the loss rank"
     def __init__(self,
@@ -213,28 +299,29 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  end:float=.9, # fraction of training at which it stops
                  interrupt:int=2, # a plain step every `interrupt` batches; 0 for never
                  scale_factor:float=1., # downsampling of image inputs for the scoring pass, in (0, 1]
-                 fill_batch:bool=False): # pool kept examples and train only on full batches, as in the paper
+                 fill_batch:bool=False, # pool kept examples and train only on full batches, as in the paper
+                 score:str='loss'): # rank by 'loss' or by 'grad_norm' at the model's output
         check_range('keep', keep, 0, 1, lo_open=True)
-        super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch)
+        super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score)
         self.keep = keep
     def is_active(self): return self.keep < 1 and super().is_active()
-    def select(self, losses): return select_by_rank(losses, self.keep)
+    def select(self, scores): return select_by_rank(scores, self.keep)
 
-# %% ../nbs/01_callback.ipynb #309ec9ad
+# %% ../nbs/01_callback.ipynb #f02cc611
 class BatchLossFilterCallback(LossFilterCallback):
     "Batch Loss Filter: train on the highest-loss examples that carry `min_loss_perc` of each batch's loss"
     def __init__(self,
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
                  min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in [0, 1]
                  skip_epochs:int=1, # like the original, leave the first epoch unfiltered
-                 **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch` of `LossFilterCallback`
+                 **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
         check_range('min_loss_perc', min_loss_perc, 0, 1)
         super().__init__(skip_epochs=skip_epochs, **kwargs)
         store_attr('min_sample_perc,min_loss_perc')
-    def select(self, losses): return select_by_loss_share(losses, self.min_loss_perc, self.min_sample_perc)
+    def select(self, scores): return select_by_loss_share(scores, self.min_loss_perc, self.min_sample_perc)
 
-# %% ../nbs/01_callback.ipynb #f02cc611
+# %% ../nbs/01_callback.ipynb #255d746b
 @patch
 def _set_loss_filter(self:Learner, cb:LossFilterCallback):
     self.remove_cbs(self.cbs.filter(lambda o: isinstance(o, LossFilterCallback)))
@@ -248,7 +335,7 @@ def batch_loss_filter(self:Learner, min_sample_perc:float=0., min_loss_perc:floa
 
 @patch
 def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, scale_factor:float=1.,
-                       fill_batch:bool=False):
+                       fill_batch:bool=False, score:str='loss'):
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
-    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch)
+    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch, score)
     return self._set_loss_filter(cb)

@@ -5,12 +5,13 @@
 # %% ../nbs/00_core.ipynb #08d2c3b2
 from __future__ import annotations
 import inspect, math
-import torch
-from torch import Tensor
+import torch, torch.nn.functional as F
+from torch import nn, Tensor
 
 # %% auto #0
-__all__ = ['check_range', 'check_per_sample', 'per_sample_loss', 'select_by_rank', 'select_by_loss_share', 'prune_by_stale_loss',
-           'check_schedule', 'should_select']
+__all__ = ['SCORES', 'check_range', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm', 'per_sample_grad_norm',
+           'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank', 'select_by_loss_share',
+           'prune_by_stale_loss', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -67,6 +68,102 @@ def per_sample_loss(loss_func, # a torch/fastai loss module, or a function takin
     return _per_example(losses, _batch_size(pred, yb), loss_func)
 
 # %% ../nbs/00_core.ipynb #dc62fb88
+def _plain_ce(loss_func) -> int|None:
+    "The `ignore_index` of a plain softmax cross-entropy (no class weights, no label smoothing), else None"
+    f = loss_func
+    if hasattr(f, 'func') and hasattr(f, 'flatten'):   # fastai's `BaseLoss` wrappers
+        if not f.flatten or f.floatify or f.axis not in (-1, 1): return None
+        f = f.func
+    if f is F.cross_entropy: return -100
+    if type(f) is nn.CrossEntropyLoss and f.weight is None and f.label_smoothing == 0: return f.ignore_index
+    return None
+
+def _ce_grad_norm(pred:Tensor, y:Tensor, ignore_index:int) -> Tensor:
+    "`||softmax(z) - onehot(y)||` per row; 0 for ignored targets"
+    valid = y != ignore_index
+    g = pred.float().softmax(-1) - F.one_hot(torch.where(valid, y, 0), pred.shape[-1])
+    return g.norm(dim=-1) * valid
+
+def _rows_sq(t:Tensor, bs:int) -> Tensor: return t.float().reshape(bs, -1).pow(2).sum(1)
+
+# %% ../nbs/00_core.ipynb #e028d86f
+def loss_and_grad_norm(loss_func, # a loss `per_sample_loss` accepts
+                       pred, # the model's output for the batch (a tensor, or a tuple of them)
+                       *yb) -> tuple: # (per-example losses, per-example gradient norms), each of shape `[bs]`
+    "Per-example losses and norms of their gradients with respect to the model's output"
+    ignore = _plain_ce(loss_func)
+    if (ignore is not None and isinstance(pred, Tensor) and pred.ndim == 2 and len(yb) == 1 and isinstance(yb[0], Tensor)
+        and yb[0].ndim == 1 and not yb[0].is_floating_point()):
+        return per_sample_loss(loss_func, pred, *yb), _ce_grad_norm(pred, yb[0], ignore)
+    outs = [pred] if isinstance(pred, Tensor) else list(pred)
+    with torch.enable_grad():
+        leaves = [o.detach().float().requires_grad_() for o in outs]
+        losses = per_sample_loss(loss_func, leaves[0] if isinstance(pred, Tensor) else type(pred)(leaves), *yb)
+        grads = torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+    bs = losses.shape[0]
+    sq = sum(_rows_sq(g, bs) for g in grads if g is not None)
+    if not isinstance(sq, Tensor): sq = torch.zeros_like(losses)
+    return losses.detach(), sq.sqrt()
+
+def per_sample_grad_norm(loss_func, pred, *yb) -> Tensor:
+    "Per-example norm of the loss gradient with respect to the model's output, shape `[bs]`"
+    return loss_and_grad_norm(loss_func, pred, *yb)[1]
+
+# %% ../nbs/00_core.ipynb #4910c80f
+SCORES = ('loss', 'grad_norm')
+
+def check_score(score:str):
+    "Raise a `ValueError` naming `score` unless it is one of `SCORES`"
+    if score not in SCORES: raise ValueError(f"`score` must be one of {', '.join(repr(s) for s in SCORES)}, got {score!r}")
+    return score
+
+def loss_and_score(score:str, # 'loss' or 'grad_norm'
+                   loss_func, pred, *yb) -> tuple: # (per-example losses, per-example scores)
+    "Per-example losses and the `score` a selector ranks, both of shape `[bs]`"
+    if check_score(score) == 'grad_norm': return loss_and_grad_norm(loss_func, pred, *yb)
+    losses = per_sample_loss(loss_func, pred, *yb)
+    return losses, losses
+
+# %% ../nbs/00_core.ipynb #c0baa5b6
+class ScoreHistogram:
+    "Per-iteration histograms of scores (all and kept) on fixed log bins, in bounded memory"
+    def __init__(self,
+                 lo:float=1e-4, hi:float=1e2, # range of the bins; values outside land in the first or last bin
+                 bins:int=60, # log-spaced bins between `lo` and `hi`
+                 rows:int=512): # rows kept; each covers `stride` iterations, doubled when the rows run out
+        check_range('lo', lo, 0, hi, lo_open=True, hi_open=True)
+        if bins < 1 or rows < 2 or rows % 2: raise ValueError(f"`bins` must be >= 1 and `rows` an even number >= 2, got {bins}, {rows}")
+        self.lo, self.hi, self.bins, self.rows = lo, hi, bins, rows
+        self.edges = torch.logspace(math.log10(lo), math.log10(hi), bins + 1)
+        self.reset()
+
+    def reset(self): self.counts, self.stride, self.n_rows = None, 1, 0
+
+    def add(self, scores:Tensor, # one batch's scores, shape `[n]`
+            it:int, # the training iteration, never decreasing from call to call
+            kept:Tensor|None=None): # indices of the kept examples; None when all were kept
+        "Count one batch's scores (and its kept ones) in the row of iteration `it`"
+        if self.counts is None: self.counts = torch.zeros(self.rows, 2, self.bins, dtype=torch.int64, device=scores.device)
+        while it // self.stride >= self.rows: self._halve()
+        row = it // self.stride
+        b = torch.bucketize(torch.nan_to_num(scores.detach().float(), nan=math.inf), self.edges[1:-1].to(scores.device))
+        one = torch.ones_like(b)
+        self.counts[row, 0].scatter_add_(0, b, one)
+        self.counts[row, 1].scatter_add_(0, b if kept is None else b[kept.to(b.device)], one if kept is None else one[:len(kept)])
+        self.n_rows = max(self.n_rows, row + 1)
+
+    def _halve(self):
+        c = self.counts
+        c[:self.rows // 2] = c.view(self.rows // 2, 2, 2, self.bins).sum(1)
+        c[self.rows // 2:] = 0
+        self.stride, self.n_rows = self.stride * 2, (self.n_rows + 1) // 2
+
+    def table(self) -> tuple:
+        "(`counts` of shape `[n_rows, 2, bins]` on the CPU (all, kept), first iteration of each row, bin `edges`)"
+        c = self.counts[:self.n_rows].cpu() if self.counts is not None else torch.zeros(0, 2, self.bins, dtype=torch.int64)
+        return c, torch.arange(len(c)) * self.stride, self.edges
+
+# %% ../nbs/00_core.ipynb #a185809b
 def _check_losses(losses:Tensor):
     if not isinstance(losses, Tensor) or losses.ndim != 1 or not losses.is_floating_point():
         raise ValueError(f"`losses` must be a 1-D floating point tensor of per-example losses, got "
@@ -82,7 +179,7 @@ def _count(frac:float, n:int, rnd) -> int:
 
 def _acc_dtype(t:Tensor): return torch.float32 if t.device.type == 'mps' else torch.float64
 
-# %% ../nbs/00_core.ipynb #1b634300
+# %% ../nbs/00_core.ipynb #9e618dbb
 def select_by_rank(losses:Tensor, # per-example losses, shape `[n]`
                    keep:float, # share of the batch to keep, in (0, 1]
                    generator:torch.Generator|None=None # random source, on the losses' device
@@ -98,7 +195,7 @@ def select_by_rank(losses:Tensor, # per-example losses, shape `[n]`
     picked = torch.multinomial(weights, max(1, _count(keep, n, math.floor)), generator=generator)
     return order[picked]
 
-# %% ../nbs/00_core.ipynb #4910c80f
+# %% ../nbs/00_core.ipynb #317dde6a
 def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-negative
                          min_loss_perc:float=.9, # keep at least this share of the total loss, in [0, 1]
                          min_sample_perc:float=0. # and at least this share of the examples, in [0, 1]
@@ -119,7 +216,7 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
     k = max(n_loss, n_bad, _count(min_sample_perc, n, math.ceil), 1)
     return order[:min(k, n)]
 
-# %% ../nbs/00_core.ipynb #dc0f3949
+# %% ../nbs/00_core.ipynb #fbeb62f5
 def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of the dataset, NaN where unknown
                         prune:float=.5, # share of the below-mean examples to drop, in [0, 1)
                         generator:torch.Generator|None=None # random source, on the losses' device
@@ -137,7 +234,7 @@ def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of
     weights[low & keep] = 1 / (1 - prune)
     return keep, weights
 
-# %% ../nbs/00_core.ipynb #9e618dbb
+# %% ../nbs/00_core.ipynb #0b63721c
 def check_schedule(start:float, end:float, interrupt:int):
     "Raise a `ValueError` naming the argument when `start`, `end` or `interrupt` is out of range"
     check_range('start', start, 0, 1)
@@ -154,3 +251,21 @@ def should_select(pct_train:float, # fraction of training done, in [0, 1)
                  ) -> bool:
     "Whether a loss filter acts on this batch"
     return start <= pct_train < end and (interrupt == 0 or (batch_idx + 1) % interrupt != 0)
+
+# %% ../nbs/00_core.ipynb #4af277ea
+def dist_world() -> tuple:
+    "`(rank, world_size)` of the default process group; `(0, 1)` when there is none"
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+def all_reduce_sum(t:Tensor) -> Tensor:
+    "`t` summed over all ranks, on `t`'s device (a new tensor); `t` itself when there is one process"
+    import torch.distributed as dist
+    if dist_world()[1] == 1: return t
+    backend = str(dist.get_backend())
+    dev = (torch.device('cuda', torch.cuda.current_device()) if backend == 'nccl'
+           else torch.device('cpu') if backend == 'gloo' else t.device)   # nccl sums CUDA tensors, gloo CPU ones
+    r = t.detach().to(dev).clone()
+    dist.all_reduce(r)
+    return r.to(t.device)

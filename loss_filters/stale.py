@@ -9,24 +9,26 @@ from torch import Tensor
 from fastcore.basics import store_attr, patch
 from fastai.learner import Learner
 from fastai.callback.mixup import MixHandler
-from .core import per_sample_loss, prune_by_stale_loss, check_range
+from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, check_range, dist_world, all_reduce_sum
 from .callback import LossFilterCallback
 
 # %% auto #0
-__all__ = ['StaleLossPruningCallback']
+__all__ = ['StaleLossPruningCallback', 'rank_share']
 
 # %% ../nbs/05_stale.ipynb #d83c4f1e
 class StaleLossPruningCallback(LossFilterCallback):
     "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean"
     def __init__(self,
                  prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
-                 anneal:float=.125): # the last `anneal` share of epochs trains on all data, in [0, 1]
+                 anneal:float=.125, # the last `anneal` share of epochs trains on all data, in [0, 1]
+                 score:str='loss'): # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
         check_range('prune', prune, 0, 1, hi_open=True)
         check_range('anneal', anneal, 0, 1)
-        super().__init__()
+        super().__init__(score=score)
         store_attr('prune,anneal')
 
     def is_active(self): return False   # no scoring pass: this filter acts at the sampler
+    _local_sums = ('_loss_sum', '_n_loss')   # the other counts come from the shared table: the same on every rank
 
 # %% ../nbs/05_stale.ipynb #40d21a6b
 @patch
@@ -39,16 +41,20 @@ def before_fit(self:StaleLossPruningCallback):
         raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it sets the order through `get_idxs`")
     if any(isinstance(cb, MixHandler) for cb in self.learn.cbs):
         raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
-    self.table = torch.full((len(dl.dataset),), float('nan'), device=next(self.model.parameters()).device)
+    dev = next(self.model.parameters()).device
+    self.table = torch.full((len(dl.dataset),), float('nan'), device=dev)
+    seed = torch.randint(2**62, (), dtype=torch.int64)                     # from the global RNG: `set_seed` reproduces it
+    seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))              # rank 0's seed on every rank
+    self.gen = torch.Generator(device=dev).manual_seed(seed)
 
 @patch
 def _restore(self:StaleLossPruningCallback):
     "Give the training loader back its own order and length"
     saved = getattr(self, '_saved', None)
     if saved is None: return
-    dl, n = saved
+    dl, inner, n = saved
     dl.__dict__.pop('get_idxs', None)
-    dl.n, self._saved = n, None
+    inner.n, self._saved = n, None
 
 # %% ../nbs/05_stale.ipynb #4dbdcc03
 class _FixedOrder:
@@ -56,16 +62,30 @@ class _FixedOrder:
     def __init__(self, idxs:list): self.idxs = idxs
     def __call__(self): return self.idxs
 
+def _is_distributed_dl(dl) -> bool: return hasattr(dl, 'world_size') and hasattr(dl, 'rank') and hasattr(dl, 'dl')
+
+def rank_share(order:Tensor, rank:int, world_size:int, bs:int, drop_last:bool) -> Tensor:
+    "Rank `rank`'s equal share of `order`, padded to a multiple of `world_size`, cut to whole batches if `drop_last`"
+    if world_size == 1: return order
+    pad = (-len(order)) % world_size
+    padded = torch.cat([order, order.repeat(pad // max(len(order), 1) + 1)[:pad]]) if pad else order
+    share = padded.view(world_size, -1)[rank]
+    return share[:len(share) // bs * bs] if drop_last else share
+
 @patch
 def before_train(self:StaleLossPruningCallback):
     LossFilterCallback.before_train(self)
     dl, n = self.dls.train, len(self.table)
+    inner = dl.dl if _is_distributed_dl(dl) else dl
     full = self.epoch == 0 or self.epoch >= self.n_epoch * (1 - self.anneal)
-    keep, self.weights = prune_by_stale_loss(self.table, 0. if full else self.prune)
-    order = torch.randperm(n, device=keep.device)
+    keep, self.weights = prune_by_stale_loss(self.table, 0. if full else self.prune, generator=self.gen)
+    order = torch.randperm(n, device=keep.device, generator=self.gen)
     self.epoch_order = order[keep[order]]
-    self._saved = (dl, dl.n)
-    dl.get_idxs, dl.n = _FixedOrder(self.epoch_order.tolist()), len(self.epoch_order)
+    rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
+    self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last)
+    self._saved = (dl, inner, inner.n)
+    dl.get_idxs, inner.n = _FixedOrder(self.rank_order.tolist()), world * len(self.rank_order)
+    self.trained = torch.zeros(n, dtype=torch.bool, device=keep.device)
     known = self.table.isfinite()
     self.n_seen, self.n_kept = n, len(self.epoch_order)
     if not full and known.any():
@@ -80,17 +100,30 @@ def before_batch(self:StaleLossPruningCallback): pass
 @patch
 def after_loss(self:StaleLossPruningCallback):
     bs = self.dl.bs
-    idx = self.epoch_order[self.iter * bs:(self.iter + 1) * bs]
+    idx = self.rank_order[self.iter * bs:(self.iter + 1) * bs]
     losses = per_sample_loss(self.score_func, self.learn.pred, *self.learn.yb)
-    self.table[idx] = losses.detach().float()
+    if self.score == 'loss': scores = losses.detach().float()
+    else:
+        with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, self.learn.pred, *self.learn.yb)
+    self.table[idx], self.trained[idx] = scores, True
+    self.hist.add(scores, self.train_iter)
+    self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
     if self.weighted:
         w = self.weights[idx].to(losses.dtype)
         reduce = torch.sum if getattr(self.score_func, 'reduction', 'mean') == 'sum' else torch.mean
         self.learn.loss_grad = reduce(losses * w)
 
 @patch
+def _share_table(self:StaleLossPruningCallback):
+    "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
+    if dist_world()[1] == 1: return
+    sums = all_reduce_sum(torch.stack([torch.where(self.trained, self.table, 0.), self.trained.float()]))
+    self.table = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), self.table)
+
+@patch
 def after_train(self:StaleLossPruningCallback):
     self._restore()
+    self._share_table()
     LossFilterCallback.after_train(self)
 
 @patch
@@ -111,7 +144,7 @@ def plot_kept(self:StaleLossPruningCallback, ax=None):
     return ax.figure
 
 @patch
-def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125):
+def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss'):
     "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
-    cb = StaleLossPruningCallback(prune, anneal)
+    cb = StaleLossPruningCallback(prune, anneal, score)
     return self._set_loss_filter(cb)

@@ -8,14 +8,15 @@ from loss_filters.bench import lf_bench, summarise, format_table, time_to_target
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
     res = lf_bench(data='digits', epochs=1, bs=64, out=str(out), quiet=True, profile=True,
-                   methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1 stale:prune=.9')
+                   methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1 stale:prune=.9 blf_gn:skip_epochs=0')
     return out, res
 
 def test_results_json_keys_and_types(small_run):
     out, res = small_run
     saved = json.loads((out / 'results.json').read_text())
     assert saved['data'] == 'digits' and isinstance(saved['target'], float) and saved['epochs'] == 1
-    assert [r['method'] for r in saved['summary']] == ['baseline', 'blf:skip_epochs=0', 'sb:start=0', 'sb:start=0,fill_batch=1', 'stale:prune=.9']
+    assert [r['method'] for r in saved['summary']] == ['baseline', 'blf:skip_epochs=0', 'sb:start=0', 'sb:start=0,fill_batch=1',
+                                                       'stale:prune=.9', 'blf_gn:skip_epochs=0']
     for r in saved['summary']:
         for k in ('train_s', 'wall_s', 'final_accuracy', 'mean_samp_perc', 'total_x'): assert isinstance(r[k], float), k
         assert 0 < r['final_accuracy'] <= 1 and 0 < r['mean_samp_perc'] <= 1 and r['wall_s'] >= r['train_s'] > 0
@@ -23,16 +24,21 @@ def test_results_json_keys_and_types(small_run):
     assert base['mean_samp_perc'] == 1. and base['total_x'] == 1. and base['target_x'] == 1.
     assert all(r['mean_samp_perc'] < 1 for r in saved['summary'][1:4])
     assert saved['summary'][4]['mean_samp_perc'] == 1.              # one epoch: stale pruning has no losses yet
-    assert len(saved['runs']) == 5 and all(isinstance(r['history'], list) and r['history'] for r in saved['runs'])
+    assert saved['summary'][5]['mean_samp_perc'] < 1
+    assert len(saved['runs']) == 6 and all(isinstance(r['history'], list) and r['history'] for r in saved['runs'])
     assert saved['runs'][0]['kept'] == [] and all(len(r['kept']) > 0 for r in saved['runs'][1:4])
     assert 'stale:prune=.9' not in saved['profile']                    # no scoring pass to profile
     prof = saved['profile']['blf:skip_epochs=0']
     assert set(prof) >= {'score', 'select', 'train_kept', 'train_full', 'score_share', 'select_share', 'train_kept_share'}
     assert math.isclose(prof['score_share'] + prof['select_share'] + prof['train_kept_share'], 1.)
+    assert 'blf_gn:skip_epochs=0' in saved['profile']
 
 def test_pngs_written_and_nonempty(small_run):
     out, _ = small_run
-    for name in ('accuracy_vs_time.png', 'kept_per_batch.png'):
+    diags = ['diag_blf_skip_epochs_0.png', 'diag_sb_start_0.png', 'diag_sb_start_0_fill_batch_1.png', 'diag_stale_prune_.9.png',
+             'diag_blf_gn_skip_epochs_0.png']
+    assert sorted(p.name for p in out.glob('diag_*.png')) == sorted(diags)
+    for name in ['accuracy_vs_time.png', 'kept_per_batch.png'] + diags:
         p = out / name
         assert p.exists() and p.stat().st_size > 1000 and p.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
@@ -40,7 +46,7 @@ def test_table_has_the_columns(small_run):
     _, res = small_run
     lines = format_table(res['summary']).splitlines()
     assert lines[0].split() == [k for k, _ in _cols]
-    assert len(lines) == 6 and lines[1].split()[0] == 'baseline'
+    assert len(lines) == 7 and lines[1].split()[0] == 'baseline'
 
 def test_time_to_target_and_speedups():
     h = lambda *pairs: [dict(train_s=t, accuracy=a) for t, a in pairs]
@@ -78,3 +84,18 @@ def test_console_script_exits_zero(tmp_path):
                         '--out', str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'final_accuracy' in r.stdout and (tmp_path / 'results.json').exists()
+
+def test_checks_inside_epochs_leave_training_untouched():
+    from loss_filters.bench import run_method
+    from loss_filters.data import load_dls
+    dls, _ = load_dls('digits', bs=64, seed=0)
+    plain = run_method(dls, 'blf:skip_epochs=0', epochs=2, show_progress=False)
+    fine = run_method(dls, 'blf:skip_epochs=0', epochs=2, show_progress=False, evals_per_epoch=3)
+    assert [e['epoch'] for e in plain['history']] == [1, 2]
+    eps = [e['epoch'] for e in fine['history']]
+    assert len(eps) == 6 and eps[2] == 1 and eps[5] == 2 and 0 < eps[0] < eps[1] < 1 < eps[3] < eps[4] < 2
+    ends = [e for e in fine['history'] if e['samp_perc'] is not None]
+    assert [(e['accuracy'], e['samp_perc']) for e in ends] == [(e['accuracy'], e['samp_perc']) for e in plain['history']]
+    assert fine['mean_samp_perc'] == plain['mean_samp_perc'] and fine['kept'] == plain['kept']   # the same training
+    assert all(0 < e['accuracy'] <= 1 for e in fine['history'])
+    assert [e['train_s'] for e in fine['history']] == sorted(e['train_s'] for e in fine['history'])

@@ -145,3 +145,14 @@ def test_refuses_mixup_and_a_second_filter(digits_dls):
     with pytest.raises(ValueError, match='MixUp'): _fit(learn, 1, lr=1e-2)
     learn2 = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=[StaleLossPruningCallback(), BatchLossFilterCallback()])
     with pytest.raises(ValueError, match='only one loss filter'): _fit(learn2, 1, lr=1e-2)
+
+def test_export_and_load_after_a_pruned_fit(digits_dls, tmp_path):
+    from fastai.learner import load_learner
+    import fastai.callback.all   # `no_bar`, `fit_one_cycle`
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), path=tmp_path).stale_loss_pruning()
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2)
+    learn.export('stale.pkl')
+    back = load_learner(tmp_path / 'stale.pkl')
+    assert torch.equal(back.loss_filter.table.nan_to_num(-1), learn.loss_filter.table.nan_to_num(-1))
+    x = next(iter(digits_dls.valid))[0]
+    assert torch.equal(back.model.eval()(x), learn.model.eval()(x))
