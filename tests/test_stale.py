@@ -156,3 +156,12 @@ def test_export_and_load_after_a_pruned_fit(digits_dls, tmp_path):
     assert torch.equal(back.loss_filter.table.nan_to_num(-1), learn.loss_filter.table.nan_to_num(-1))
     x = next(iter(digits_dls.valid))[0]
     assert torch.equal(back.model.eval()(x), learn.model.eval()(x))
+
+def test_rank_share_splits_evenly_into_whole_batches():
+    from loss_filters.stale import rank_share
+    order = torch.arange(10) * 10
+    shares = [rank_share(order, r, 3, bs=2, drop_last=False) for r in range(3)]
+    assert [s.tolist() for s in shares] == [[0, 10, 20, 30], [40, 50, 60, 70], [80, 90, 0, 10]]   # padded with the first two
+    assert [len(rank_share(order, r, 3, bs=3, drop_last=True)) for r in range(3)] == [3, 3, 3]     # 4 each, cut to one batch
+    assert rank_share(order, 0, 1, bs=3, drop_last=True) is order
+    assert rank_share(torch.arange(1), 1, 4, bs=1, drop_last=False).tolist() == [0]                # fewer examples than ranks
