@@ -137,16 +137,18 @@ class ScoreHistogram:
         self.edges = torch.logspace(math.log10(lo), math.log10(hi), bins + 1)
         self.reset()
 
-    def reset(self): self.counts, self.stride, self.n_rows = None, 1, 0
+    def reset(self): self.counts, self.stride, self.n_rows, self._inner = None, 1, 0, None
 
     def add(self, scores:Tensor, # one batch's scores, shape `[n]`
             it:int, # the training iteration, never decreasing from call to call
             kept:Tensor|None=None): # indices of the kept examples; None when all were kept
         "Count one batch's scores (and its kept ones) in the row of iteration `it`"
-        if self.counts is None: self.counts = torch.zeros(self.rows, 2, self.bins, dtype=torch.int64, device=scores.device)
+        if self.counts is None:   # the counts and the inner bin edges live on the scores' device: no copy per batch
+            self.counts = torch.zeros(self.rows, 2, self.bins, dtype=torch.int64, device=scores.device)
+            self._inner = self.edges[1:-1].to(scores.device)
         while it // self.stride >= self.rows: self._halve()
         row = it // self.stride
-        b = torch.bucketize(torch.nan_to_num(scores.detach().float(), nan=math.inf), self.edges[1:-1].to(scores.device))
+        b = torch.bucketize(torch.nan_to_num(scores.detach().float(), nan=math.inf), self._inner)
         one = torch.ones_like(b)
         self.counts[row, 0].scatter_add_(0, b, one)
         self.counts[row, 1].scatter_add_(0, b if kept is None else b[kept.to(b.device)], one if kept is None else one[:len(kept)])
