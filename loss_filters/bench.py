@@ -49,13 +49,13 @@ def _sync():
     if torch.cuda.is_available(): torch.cuda.synchronize()
 
 def valid_accuracy(model, dl) -> float:
-    "Accuracy of `model` on every batch of `dl`, in eval mode and without gradients; the mode is put back after"
-    was, correct, n = model.training, 0, 0
+    "Accuracy of `model` on every batch of `dl`, in eval mode and without gradients; the mode and the global RNGs are put back after"
+    was, correct, n, state = model.training, 0, 0, random.getstate()
     model.eval()
-    try:
-        with torch.no_grad():
+    try:   # iterating a loader draws a seed from torch's global RNG: a check inside an epoch must not move the filters' draws
+        with torch.no_grad(), torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             for xb, yb in dl: correct, n = correct + (model(xb).argmax(-1) == yb).sum(), n + len(yb)
-    finally: model.train(was)
+    finally: model.train(was); random.setstate(state)
     return float(correct) / n
 
 class EpochClock(Callback):

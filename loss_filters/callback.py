@@ -13,6 +13,7 @@ from fastcore.foundation import L
 from fastai.torch_core import find_bs
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.mixup import MixHandler
+from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner, ValueMetric
 from .core import *
 
@@ -96,19 +97,31 @@ def before_fit(self:LossFilterCallback):
     others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterCallback) and cb is not self]
     if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
     check_per_sample(self.learn.loss_func)
-    if self.fill_batch and dist_world()[1] > 1:
-        raise ValueError("`fill_batch=True` cannot run with several processes: the ranks would skip different steps and "
-                         "DistributedDataParallel would wait forever for the missing gradients")
-    self.score_func = self.learn.loss_func
-    self.stats, self.epoch_stats, self._warned = L(), L(), False
-    self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+    if dist_world()[1] > 1: self._check_distributed()
+    self.score_func, self._fresh = self.learn.loss_func, True
     self.learn.metrics = _without_shares(self.learn.metrics) + [_ShareMetric(self._samp_perc, 'samp_perc'),
                                                                 _ShareMetric(self._loss_perc, 'loss_perc')]
 
 @patch
+def _check_distributed(self:LossFilterCallback):
+    "Refuse what would let the ranks step at different batches: each rank keeps its own number of examples"
+    if self.fill_batch:
+        raise ValueError("`fill_batch=True` cannot run with several processes: the ranks would skip different steps and "
+                         "DistributedDataParallel would wait forever for the missing gradients")
+    if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
+        raise ValueError(f"{type(self).__name__} cannot run beside `GradientAccumulation` with several processes: it counts "
+                         "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
+
+@patch
+def _new_records(self:LossFilterCallback):
+    "Empty per-batch and per-epoch records and score histogram, made at a fit's first training epoch"
+    self.stats, self.epoch_stats, self._warned = L(), L(), False
+    self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+
+@patch
 def before_validate(self:LossFilterCallback):
     "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
-    if not self.epoch_stats: self.learn.metrics = _without_shares(self.learn.metrics)
+    if getattr(self, '_fresh', False): self.learn.metrics = _without_shares(self.learn.metrics)
 
 @patch
 def after_fit(self:LossFilterCallback): self.learn.metrics = _without_shares(self.learn.metrics)
@@ -118,6 +131,8 @@ def _without_shares(metrics): return L(m for m in metrics if not isinstance(m, _
 # %% ../nbs/01_callback.ipynb #47cce76e
 @patch
 def before_train(self:LossFilterCallback):
+    if self._fresh: self._new_records()   # not in `before_fit`: `learn.validate()` would wipe the last fit's records
+    self._fresh = False
     self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
     self._batches, self.pool, self.iter0 = [], BatchPool(), self.train_iter
@@ -215,7 +230,7 @@ def after_train(self:LossFilterCallback):
     n_bad = int(self._n_bad)
     if n_bad and not self._warned:
         self._warned = True
-        warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite loss this epoch; they were kept as the hardest")
+        warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite {self.score} this epoch; they were kept as the hardest")
 
 @patch
 def _samp_perc(self:LossFilterCallback): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.

@@ -81,7 +81,7 @@ def _plain_ce(loss_func) -> int|None:
 def _ce_grad_norm(pred:Tensor, y:Tensor, ignore_index:int) -> Tensor:
     "`||softmax(z) - onehot(y)||` per row; 0 for ignored targets"
     valid = y != ignore_index
-    g = pred.float().softmax(-1) - F.one_hot(torch.where(valid, y, 0), pred.shape[-1])
+    g = pred.float().softmax(-1) - F.one_hot(torch.where(valid, y, 0).long(), pred.shape[-1])   # one_hot takes int64 only
     return g.norm(dim=-1) * valid
 
 def _rows_sq(t:Tensor, bs:int) -> Tensor: return t.float().reshape(bs, -1).pow(2).sum(1)

@@ -41,11 +41,24 @@ def before_fit(self:StaleLossPruningCallback):
         raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it sets the order through `get_idxs`")
     if any(isinstance(cb, MixHandler) for cb in self.learn.cbs):
         raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
+
+@patch
+def _check_distributed(self:StaleLossPruningCallback): pass   # every rank trains equal batches: nothing to refuse
+
+@patch
+def _new_records(self:StaleLossPruningCallback):
+    "Also an empty score table (NaN: not known yet) and the generator of the pruning draws, at a fit's first epoch"
+    LossFilterCallback._new_records(self)
     dev = next(self.model.parameters()).device
-    self.table = torch.full((len(dl.dataset),), float('nan'), device=dev)
+    self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=dev)
     seed = torch.randint(2**62, (), dtype=torch.int64)                     # from the global RNG: `set_seed` reproduces it
     seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))              # rank 0's seed on every rank
     self.gen = torch.Generator(device=dev).manual_seed(seed)
+
+@patch
+def __getstate__(self:StaleLossPruningCallback):
+    "`learn.export()` leaves out the generator: old torch cannot pickle it, and a CUDA one would not load on the CPU"
+    return {k: v for k, v in self.__dict__.items() if k != 'gen'}
 
 @patch
 def _restore(self:StaleLossPruningCallback):
@@ -74,6 +87,7 @@ def rank_share(order:Tensor, rank:int, world_size:int, bs:int, drop_last:bool) -
 
 @patch
 def before_train(self:StaleLossPruningCallback):
+    self._restore()   # `CancelEpochException` skips `after_train`: put back the order a cancelled epoch left
     LossFilterCallback.before_train(self)
     dl, n = self.dls.train, len(self.table)
     inner = dl.dl if _is_distributed_dl(dl) else dl

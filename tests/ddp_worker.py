@@ -65,6 +65,15 @@ def run(rank:int, world_size:int, port:int, out:str, epochs:int=2):
     try:
         with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(1)
     except ValueError as e: res['fill_batch_error'] = str(e)
+    from fastai.callback.training import GradientAccumulation
+    learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(128)).selective_backprop()
+    try:
+        with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(1)
+    except ValueError as e: res['grad_acc_error'] = str(e)
+    set_seed(0)   # stale pruning gives every rank equal batches: it may accumulate gradients
+    learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(128)).stale_loss_pruning()
+    with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    res['stale_grad_acc'] = {k: v.detach().clone() for k, v in learn.model.state_dict().items()}
     torch.save(res, Path(out) / f'rank{rank}.pt')
     dist.barrier()
 

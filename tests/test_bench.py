@@ -85,12 +85,13 @@ def test_console_script_exits_zero(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'final_accuracy' in r.stdout and (tmp_path / 'results.json').exists()
 
-def test_checks_inside_epochs_leave_training_untouched():
+@pytest.mark.parametrize('spec', ['blf:skip_epochs=0', 'sb:start=0,interrupt=0'])   # sb draws from the global RNG
+def test_checks_inside_epochs_leave_training_untouched(spec):
     from loss_filters.bench import run_method
     from loss_filters.data import load_dls
     dls, _ = load_dls('digits', bs=64, seed=0)
-    plain = run_method(dls, 'blf:skip_epochs=0', epochs=2, show_progress=False)
-    fine = run_method(dls, 'blf:skip_epochs=0', epochs=2, show_progress=False, evals_per_epoch=3)
+    plain = run_method(dls, spec, epochs=2, show_progress=False)
+    fine = run_method(dls, spec, epochs=2, show_progress=False, evals_per_epoch=3)
     assert [e['epoch'] for e in plain['history']] == [1, 2]
     eps = [e['epoch'] for e in fine['history']]
     assert len(eps) == 6 and eps[2] == 1 and eps[5] == 2 and 0 < eps[0] < eps[1] < 1 < eps[3] < eps[4] < 2

@@ -240,9 +240,21 @@ def test_lr_find_is_left_alone(digits_dls):
 
 def test_get_preds_and_validate_are_unfiltered(digits_dls):
     learn = fit(learner(digits_dls, mlp(), metrics=accuracy).batch_loss_filter(skip_epochs=0), 1)
+    cb = learn.loss_filter
+    stats, n_hist = list(cb.stats), int(cb.hist.table()[0].sum())
     preds, targs = learn.get_preds()
     assert len(preds) == len(digits_dls.valid_ds)
     assert len(learn.validate()) == 2
+    assert stats and cb.stats == stats and int(cb.hist.table()[0].sum()) == n_hist   # the fit's records are kept
+
+def test_gradient_accumulation_refused_under_several_processes(digits_dls, monkeypatch):
+    import loss_filters.callback as lfc
+    monkeypatch.setattr(lfc, 'dist_world', lambda: (0, 2))                     # refused in `before_fit`, before any collective
+    for filt in (BatchLossFilterCallback(), SelectiveBackpropCallback()):
+        learn = learner(digits_dls, mlp(), cbs=[GradientAccumulation(n_acc=128), filt])
+        with pytest.raises(ValueError, match='GradientAccumulation` with several processes'): fit(learn, 1)
+    with pytest.raises(ValueError, match='`fill_batch=True` cannot run with several processes'):
+        fit(learner(digits_dls, mlp(), cbs=BatchLossFilterCallback(fill_batch=True)), 1)
 
 def test_gradient_accumulation(digits_dls):
     set_seed(0)

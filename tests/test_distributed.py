@@ -68,3 +68,10 @@ def test_stale_pruning_shares_the_table_and_splits_the_epoch(ranks):
 
 def test_fill_batch_is_refused_before_training(ranks):
     for r in ranks: assert '`fill_batch=True` cannot run with several processes' in r['fill_batch_error']
+
+def test_gradient_accumulation_is_refused_beside_a_per_rank_filter(ranks):
+    for r in ranks: assert 'cannot run beside `GradientAccumulation` with several processes' in r['grad_acc_error']
+
+def test_stale_pruning_accumulates_gradients_alike_on_both_ranks(ranks):
+    w0, w1 = ranks[0]['stale_grad_acc'], ranks[1]['stale_grad_acc']
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -39,6 +39,11 @@ def test_closed_form_is_exactly_softmax_minus_onehot():
     expected = torch.sqrt(p[0]**2 + (p[1] - 1)**2 + p[2]**2)
     torch.testing.assert_close(per_sample_grad_norm(F.cross_entropy, z, y), expected[None])
 
+def test_byte_targets_take_the_closed_form():
+    "cross-entropy accepts uint8 targets; the one-hot of the closed form must too"
+    z, y = torch.randn(6, 4), torch.tensor([0, 3, 1, 2, 2, 0])
+    torch.testing.assert_close(per_sample_grad_norm(F.cross_entropy, z, y.to(torch.uint8)), per_sample_grad_norm(F.cross_entropy, z, y))
+
 def test_score_is_zero_for_a_confident_correct_example():
     z = torch.tensor([[1000., 0., 0.], [0., 0., 1000.], [1000., 0., 0.]])
     y = torch.tensor([0, 2, 1])
@@ -109,6 +114,8 @@ def test_histogram_memory_is_bounded_over_100k_iterations():
     grown = sum(s.size_diff for s in snap1.compare_to(snap0, 'filename'))
     assert h.counts.shape == (64, 2, 20) and h.stride == 2048            # 100,000 iterations in 49 rows of 2048
     assert grown < 100_000                                               # no per-iteration Python objects kept
+    tensors = [v for v in vars(h).values() if isinstance(v, torch.Tensor)]   # tracemalloc does not see tensor storage
+    assert sum(t.numel() for t in tensors) == 64 * 2 * 20 + 21 + 19      # counts, bin edges, inner edges: nothing else
     c, its, edges = h.table()
     assert c[:, 0].sum() == 300_000 and c[:, 1].sum() == 100_000         # nothing lost in the merges
     assert len(c) == math.ceil(100_000 / 2048) and its[1] == 2048

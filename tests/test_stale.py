@@ -132,6 +132,29 @@ def test_loader_order_restored_after_fit_and_after_an_error(digits_dls):
     _fit(learn, 1, lr=1e-2)                                      # the next fit repairs what the failed one left
     assert dl.n == n0 and 'get_idxs' not in dl.__dict__ and len(list(dl)) == len(dl)
 
+def test_a_cancelled_epoch_leaves_no_order_behind(digits_dls):
+    "`CancelEpochException` skips `after_train`: the next epoch must still start from the loader's own order"
+    from fastai.callback.core import CancelEpochException
+    class Skip(Callback):
+        def after_batch(self):
+            if self.training and self.epoch == 1 and self.iter == 2: raise CancelEpochException()
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=Skip()).stale_loss_pruning()
+    dl = digits_dls.train
+    n0 = dl.n
+    _fit(learn, 4, lr=1e-2)
+    assert dl.n == n0 and 'get_idxs' not in dl.__dict__
+    assert learn.loss_filter.epoch_stats[-1]['samp_perc'] < 1                  # epoch 3 was still pruned
+
+def test_validate_keeps_the_last_fits_table_and_records(digits_dls):
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), metrics=accuracy).stale_loss_pruning()
+    _fit(learn, 3, lr=1e-2)
+    cb = learn.loss_filter
+    table, n_epochs, gen = cb.table.clone(), len(cb.epoch_stats), cb.gen
+    assert len(learn.validate()) == 2                                         # loss and accuracy: no share columns
+    assert torch.equal(cb.table.nan_to_num(-1), table.nan_to_num(-1)) and len(cb.epoch_stats) == n_epochs and cb.gen is gen
+    _fit(learn, 1, lr=1e-2)                                                    # a new fit starts afresh
+    assert len(cb.epoch_stats) == 1 and cb.gen is not gen
+
 def test_columns_once_and_lr_find_untouched(digits_dls):
     learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), metrics=accuracy).stale_loss_pruning()
     for _ in range(2): _fit(learn, 2, lr=1e-2)
@@ -153,6 +176,7 @@ def test_export_and_load_after_a_pruned_fit(digits_dls, tmp_path):
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2)
     learn.export('stale.pkl')
     back = load_learner(tmp_path / 'stale.pkl')
+    assert 'gen' not in back.loss_filter.__dict__ and isinstance(learn.loss_filter.gen, torch.Generator)   # not pickled
     assert torch.equal(back.loss_filter.table.nan_to_num(-1), learn.loss_filter.table.nan_to_num(-1))
     x = next(iter(digits_dls.valid))[0]
     assert torch.equal(back.model.eval()(x), learn.model.eval()(x))
