@@ -80,6 +80,7 @@ class LossFilterCallback(Callback):
 
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
     _local_sums = ('n_seen', 'n_kept', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
+    same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
 
     def select(self, scores:Tensor) -> Tensor:
         "Indices of the examples to train on, from their per-example `scores`"
@@ -104,10 +105,12 @@ def before_fit(self:LossFilterCallback):
 
 @patch
 def _check_distributed(self:LossFilterCallback):
-    "Refuse what would let the ranks step at different batches: each rank keeps its own number of examples"
+    "Refuse what would let the ranks step at different batches: where the kept count depends on the data, it differs by rank"
+    if self.same_count: return
     if self.fill_batch:
-        raise ValueError("`fill_batch=True` cannot run with several processes: the ranks would skip different steps and "
-                         "DistributedDataParallel would wait forever for the missing gradients")
+        raise ValueError(f"{type(self).__name__} with `fill_batch=True` cannot run with several processes: its kept count depends "
+                         "on each rank's data, so the ranks would skip different steps and DistributedDataParallel would "
+                         "wait forever for the missing gradients")
     if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
         raise ValueError(f"{type(self).__name__} cannot run beside `GradientAccumulation` with several processes: it counts "
                          "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
@@ -319,6 +322,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
         check_range('keep', keep, 0, 1, lo_open=True)
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score)
         self.keep = keep
+    same_count = True   # `max(1, int(keep*n))` of every batch: the ranks' equal batches stay equal
     def is_active(self): return self.keep < 1 and super().is_active()
     def select(self, scores): return select_by_rank(scores, self.keep)
 

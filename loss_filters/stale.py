@@ -29,6 +29,8 @@ class StaleLossPruningCallback(LossFilterCallback):
 
     def is_active(self): return False   # no scoring pass: this filter acts at the sampler
     _local_sums = ('_loss_sum', '_n_loss')   # the other counts come from the shared table: the same on every rank
+    same_count = True   # every rank trains equal batches
+    _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
 
 # %% ../nbs/05_stale.ipynb #40d21a6b
 @patch
@@ -43,9 +45,6 @@ def before_fit(self:StaleLossPruningCallback):
         raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
 
 @patch
-def _check_distributed(self:StaleLossPruningCallback): pass   # every rank trains equal batches: nothing to refuse
-
-@patch
 def _new_records(self:StaleLossPruningCallback):
     "Also an empty score table (NaN: not known yet) and the generator of the pruning draws, at a fit's first epoch"
     LossFilterCallback._new_records(self)
@@ -54,11 +53,6 @@ def _new_records(self:StaleLossPruningCallback):
     seed = torch.randint(2**62, (), dtype=torch.int64)                     # from the global RNG: `set_seed` reproduces it
     seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))              # rank 0's seed on every rank
     self.gen = torch.Generator(device=dev).manual_seed(seed)
-
-@patch
-def __getstate__(self:StaleLossPruningCallback):
-    "`learn.export()` leaves out the generator: old torch cannot pickle it, and a CUDA one would not load on the CPU"
-    return {k: v for k, v in self.__dict__.items() if k != 'gen'}
 
 @patch
 def _restore(self:StaleLossPruningCallback):
@@ -142,6 +136,12 @@ def after_train(self:StaleLossPruningCallback):
 
 @patch
 def after_cancel_train(self:StaleLossPruningCallback): self._restore()
+@patch
+def after_cancel_epoch(self:StaleLossPruningCallback):
+    "`CancelEpochException` skips `after_train`: restore the loader and share the scores, so the ranks' tables stay alike"
+    if getattr(self, '_saved', None) is None: return   # cancelled in validation: `after_train` has run
+    self._restore()
+    self._share_table()
 @patch
 def after_fit(self:StaleLossPruningCallback):
     self._restore()

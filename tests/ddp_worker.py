@@ -66,10 +66,17 @@ def run(rank:int, world_size:int, port:int, out:str, epochs:int=2):
         with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(1)
     except ValueError as e: res['fill_batch_error'] = str(e)
     from fastai.callback.training import GradientAccumulation
-    learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(128)).selective_backprop()
+    learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(128)).batch_loss_filter()
     try:
         with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(1)
     except ValueError as e: res['grad_acc_error'] = str(e)
+    sb = dict(start=0., end=1., interrupt=0)   # Selective Backprop keeps a fixed count: it may pool and accumulate
+    for name, cbs, kw in (('sb_grad_acc', GradientAccumulation(128), {}), ('sb_fill_batch', [], dict(fill_batch=True))):
+        set_seed(0)
+        learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=cbs).selective_backprop(**sb, **kw)
+        with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+        res[name] = {k: v.detach().clone() for k, v in learn.model.state_dict().items()}
+        res[name + '_n_kept'] = [e['samp_perc'] for e in learn.loss_filter.epoch_stats]
     set_seed(0)   # stale pruning gives every rank equal batches: it may accumulate gradients
     learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(128)).stale_loss_pruning()
     with learn.distrib_ctx(cpu=True), learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)

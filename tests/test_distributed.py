@@ -72,6 +72,12 @@ def test_fill_batch_is_refused_before_training(ranks):
 def test_gradient_accumulation_is_refused_beside_a_per_rank_filter(ranks):
     for r in ranks: assert 'cannot run beside `GradientAccumulation` with several processes' in r['grad_acc_error']
 
+@pytest.mark.parametrize('name', ['sb_grad_acc', 'sb_fill_batch'])
+def test_selective_backprop_pools_and_accumulates_alike_on_both_ranks(ranks, name):
+    w0, w1 = ranks[0][name], ranks[1][name]
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert ranks[0][name + '_n_kept'] == ranks[1][name + '_n_kept'] == [pytest.approx(.5, abs=.01)] * 2
+
 def test_stale_pruning_accumulates_gradients_alike_on_both_ranks(ranks):
     w0, w1 = ranks[0]['stale_grad_acc'], ranks[1]['stale_grad_acc']
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)

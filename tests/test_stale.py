@@ -139,10 +139,12 @@ def test_a_cancelled_epoch_leaves_no_order_behind(digits_dls):
         def after_batch(self):
             if self.training and self.epoch == 1 and self.iter == 2: raise CancelEpochException()
     learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=Skip()).stale_loss_pruning()
-    dl = digits_dls.train
+    dl, shared = digits_dls.train, []
+    learn.loss_filter._share_table = lambda: shared.append(learn.epoch)   # a no-op with one process; spied on here
     n0 = dl.n
     _fit(learn, 4, lr=1e-2)
     assert dl.n == n0 and 'get_idxs' not in dl.__dict__
+    assert shared == [0, 1, 2, 3]                      # the cancelled epoch's scores are shared too: the ranks' tables agree
     assert learn.loss_filter.epoch_stats[-1]['samp_perc'] < 1                  # epoch 3 was still pruned
 
 def test_validate_keeps_the_last_fits_table_and_records(digits_dls):
