@@ -322,6 +322,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
         check_range('keep', keep, 0, 1, lo_open=True)
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score)
         self.keep = keep
+
     same_count = True   # `max(1, int(keep*n))` of every batch: the ranks' equal batches stay equal
     def is_active(self): return self.keep < 1 and super().is_active()
     def select(self, scores): return select_by_rank(scores, self.keep)
