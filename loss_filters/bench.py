@@ -145,11 +145,12 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002) -> tupl
 
 # %% ../nbs/03_bench.ipynb #808f691a
 _cols = [('method', '{}'), ('epochs', '{}'), ('wall_s', '{:.1f}'), ('train_s', '{:.1f}'), ('target_s', '{:.1f}'),
-         ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x')]
+         ('reached', '{}'), ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x')]
 
 def format_table(rows:list) -> str:
-    "The summary as a plain-text table (medians; `±spread` over repeats where there are several)"
+    "The summary as a plain-text table (medians; `±spread` over repeats where there are several; `reached`: repeats that reached the target)"
     def cell(r, k, f):
+        if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
         v = r.get(k)
         if v is None: return '-'
         s = f.format(v)

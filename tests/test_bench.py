@@ -67,6 +67,16 @@ def test_repeats_report_median_and_spread():
     assert rows[0]['train_s'] == 12. and rows[0]['train_s_spread'] == 10. and rows[0]['repeats'] == 3
     assert '±' in format_table(rows)
 
+def test_table_counts_the_repeats_that_reached_the_target():
+    h = lambda a: [dict(train_s=10., accuracy=a)]
+    runs = [dict(method='baseline', epochs=1, train_s=10., wall_s=10., final_accuracy=.9, mean_samp_perc=1., history=h(.9))] * 2
+    runs += [dict(method='blf', epochs=1, train_s=8., wall_s=8., final_accuracy=a, mean_samp_perc=.5, history=h(a)) for a in (.9, .8)]
+    rows, _ = summarise(runs)
+    assert [r['reached'] for r in rows] == [2, 1]
+    lines = format_table(rows).splitlines()
+    col = lines[0].split().index('reached')
+    assert [l.split()[col] for l in lines[1:]] == ['2/2', '1/2']
+
 def test_bad_methods_fail_before_training():
     with pytest.raises(ValueError, match="unknown method 'nope'"): lf_bench(methods='baseline nope', data='digits')
     with pytest.raises(ValueError, match='`keep`'): parse_method('sb:keep=0')
