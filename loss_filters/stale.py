@@ -81,7 +81,6 @@ def rank_share(order:Tensor, rank:int, world_size:int, bs:int, drop_last:bool) -
 
 @patch
 def before_train(self:StaleLossPruningCallback):
-    self._restore()   # `CancelEpochException` skips `after_train`: put back the order a cancelled epoch left
     LossFilterCallback.before_train(self)
     dl, n = self.dls.train, len(self.table)
     inner = dl.dl if _is_distributed_dl(dl) else dl
@@ -134,8 +133,6 @@ def after_train(self:StaleLossPruningCallback):
     self._share_table()
     LossFilterCallback.after_train(self)
 
-@patch
-def after_cancel_train(self:StaleLossPruningCallback): self._restore()
 @patch
 def after_cancel_epoch(self:StaleLossPruningCallback):
     "`CancelEpochException` skips `after_train`: restore the loader and share the scores, so the ranks' tables stay alike"

@@ -132,12 +132,13 @@ def test_loader_order_restored_after_fit_and_after_an_error(digits_dls):
     _fit(learn, 1, lr=1e-2)                                      # the next fit repairs what the failed one left
     assert dl.n == n0 and 'get_idxs' not in dl.__dict__ and len(list(dl)) == len(dl)
 
-def test_a_cancelled_epoch_leaves_no_order_behind(digits_dls):
+@pytest.mark.parametrize('cancel', ['CancelEpochException', 'CancelTrainException'])
+def test_a_cancelled_epoch_leaves_no_order_behind(digits_dls, cancel):
     "`CancelEpochException` skips `after_train`: the next epoch must still start from the loader's own order"
-    from fastai.callback.core import CancelEpochException
+    import fastai.callback.core as fcc
     class Skip(Callback):
         def after_batch(self):
-            if self.training and self.epoch == 1 and self.iter == 2: raise CancelEpochException()
+            if self.training and self.epoch == 1 and self.iter == 2: raise getattr(fcc, cancel)()
     learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=Skip()).stale_loss_pruning()
     dl, shared = digits_dls.train, []
     learn.loss_filter._share_table = lambda: shared.append(learn.epoch)   # a no-op with one process; spied on here
