@@ -17,8 +17,8 @@ from .stale import StaleLossPruningCallback
 from .data import load_dls, simple_cnn
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'parse_method', 'valid_accuracy', 'EpochClock', 'run_method', 'time_to_target',
-           'summarise', 'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'parse_method', 'valid_accuracy', 'EpochClock', 'run_method',
+           'time_to_target', 'summarise', 'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 _gn = dict(score='grad_norm')
@@ -33,16 +33,21 @@ def _value(s:str):
         except ValueError: pass
     return s
 
+RUN_SETTINGS = ('epochs',)   # settings of the run, not of a callback: allowed on every method, the baseline too
+
 def parse_method(spec:str) -> tuple:
-    "`'sb:keep=.3,start=.2'` -> `('sb:keep=.3,start=.2', SelectiveBackpropCallback, {'keep': .3, 'start': .2})`"
+    "`'sb:keep=.3,epochs=4'` -> `('sb:keep=.3,epochs=4', SelectiveBackpropCallback, {'keep': .3}, {'epochs': 4})`"
     name, _, args = spec.partition(':')
     if name not in METHODS: raise ValueError(f"unknown method {name!r} in `methods`; choose from {', '.join(METHODS)}")
     cls, defaults = METHODS[name]
     kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if a.strip()))
-    if cls is None and kw: raise ValueError(f"`{name}` takes no settings, got {kw}")
+    run = {k: kw.pop(k) for k in RUN_SETTINGS if k in kw}
+    if not isinstance(run.get('epochs', 1), int) or run.get('epochs', 1) < 1:
+        raise ValueError(f"`epochs` in method {spec!r} must be an integer >= 1, got {run['epochs']!r}")
+    if cls is None and kw: raise ValueError(f"`{name}` takes no settings but {', '.join(RUN_SETTINGS)}, got {kw}")
     kw = {**defaults, **kw}
     if cls is not None: cls(**kw)   # bad settings fail now, not after the baseline has trained
-    return spec, cls, kw
+    return spec, cls, kw, run
 
 # %% ../nbs/03_bench.ipynb #6ac741b7
 def _sync():
@@ -86,7 +91,8 @@ def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_
 def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model_func=simple_cnn, show_progress:bool=True,
                diag:Path|None=None, evals_per_epoch:int=1) -> dict:
     "Train one method from `seed` and return its timings, history and kept shares"
-    name, cb_cls, kw = parse_method(spec)
+    name, cb_cls, kw, run = parse_method(spec)
+    epochs = run.get('epochs', epochs)
     set_seed(seed, reproducible=True)
     for dl in dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
     model = model_func(n_in=dls.one_batch()[0].shape[1], n_out=dls.c)
@@ -200,7 +206,7 @@ def _timed(f, n):
 
 def profile_step(dls, spec:str='blf', n:int=20, model_func=simple_cnn, seed:int=0) -> dict:
     "Seconds per batch of the scoring pass, the selection and the training step of a filtered step"
-    _, cb_cls, kw = parse_method(spec)
+    _, cb_cls, kw, _ = parse_method(spec)
     set_seed(seed)
     learn = Learner(dls, model_func(n_in=dls.one_batch()[0].shape[1], n_out=dls.c), loss_func=CrossEntropyLossFlat())
     cb = cb_cls(**kw)
@@ -221,7 +227,7 @@ def profile_step(dls, spec:str='blf', n:int=20, model_func=simple_cnn, seed:int=
 
 # %% ../nbs/03_bench.ipynb #a9c2fc68
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         epochs:int=5, # epochs per fit
+         epochs:int=5, # epochs per fit (a method's own `epochs=` setting overrides it)
          bs:int=256, # batch size
          lr:float=3e-3, # maximum learning rate of `fit_one_cycle`
          methods:str=DEFAULT_METHODS, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2"

@@ -110,3 +110,20 @@ def test_checks_inside_epochs_leave_training_untouched(spec):
     assert fine['mean_samp_perc'] == plain['mean_samp_perc'] and fine['kept'] == plain['kept']   # the same training
     assert all(0 < e['accuracy'] <= 1 for e in fine['history'])
     assert [e['train_s'] for e in fine['history']] == sorted(e['train_s'] for e in fine['history'])
+
+def test_epochs_setting_shortens_one_method():
+    "`baseline:epochs=1` is the equal-compute control: it trains on its own schedule, and the plain baseline still sets the target"
+    from loss_filters.bench import run_method
+    from loss_filters.data import load_dls
+    dls, _ = load_dls('digits', bs=64, seed=0)
+    full = run_method(dls, 'baseline', epochs=3, show_progress=False)
+    short = run_method(dls, 'baseline:epochs=1', epochs=3, show_progress=False)
+    pruned = run_method(dls, 'stale:prune=.5,epochs=2', epochs=3, show_progress=False)
+    assert (full['epochs'], short['epochs'], pruned['epochs']) == (3, 1, 2)
+    assert [len(r['history']) for r in (full, short, pruned)] == [3, 1, 2]
+    assert short['method'] == 'baseline:epochs=1' and short['final_accuracy'] != full['final_accuracy']
+    rows, target = summarise([full, short, pruned])
+    assert target == pytest.approx(full['final_accuracy'] - .002)           # not moved by the short baseline
+    assert [(r['method'], r['epochs']) for r in rows] == [('baseline', 3), ('baseline:epochs=1', 1), ('stale:prune=.5,epochs=2', 2)]
+    lines = format_table(rows).splitlines()
+    assert [l.split()[1] for l in lines[1:]] == ['3', '1', '2']
