@@ -20,7 +20,7 @@ class StaleLossPruningCallback(LossFilterCallback):
     "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean"
     def __init__(self,
                  prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
-                 anneal:float=.125, # the last `anneal` share of epochs trains on all data, in [0, 1]
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  score:str='loss'): # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
         check_range('prune', prune, 0, 1, hi_open=True)
         check_range('anneal', anneal, 0, 1)

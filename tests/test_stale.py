@@ -89,6 +89,16 @@ def test_full_data_first_and_in_the_annealing_tail_pruned_between():
         assert len(left_out & low) >= n_low // 2 and len(left_out - low) <= tail   # the pruned are all below the mean
     for ep in (0, 6, 7): assert len(ids_of(ep)) == n                          # full data
 
+@pytest.mark.parametrize('n_epoch,anneal,full', [(5, .125, [0]), (5, .2, [0, 4]), (7, .125, [0]), (8, .125, [0, 7])])
+def test_an_epoch_anneals_when_it_starts_in_the_last_anneal_share(n_epoch, anneal, full):
+    "The InfoBatch rule: epoch e uses all data when e >= (1 - anneal) * n_epoch, so the default anneals nothing in a fit under 8 epochs"
+    learn, _ = fixed_learner()
+    cb = StaleLossPruningCallback(prune=.5, anneal=anneal)
+    learn.add_cb(cb)
+    _fit(learn, n_epoch)
+    assert [e for e, s in enumerate(cb.epoch_stats) if s['samp_perc'] == 1.] == full
+    assert all(s['samp_perc'] < .9 for e, s in enumerate(cb.epoch_stats) if e not in full)
+
 def test_loss_grad_upweights_exactly_the_kept_easy_examples():
     learn, losses = fixed_learner()
     cb, steps = StaleLossPruningCallback(prune=.5, anneal=0.), Steps()
