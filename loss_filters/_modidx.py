@@ -221,4 +221,5 @@ d = { 'settings': { 'branch': 'main',
                                     'loss_filters.stale._FixedOrder.__call__': ('stale.html#_fixedorder.__call__', 'loss_filters/stale.py'),
                                     'loss_filters.stale._FixedOrder.__init__': ('stale.html#_fixedorder.__init__', 'loss_filters/stale.py'),
                                     'loss_filters.stale._is_distributed_dl': ('stale.html#_is_distributed_dl', 'loss_filters/stale.py'),
+                                    'loss_filters.stale.anneals': ('stale.html#anneals', 'loss_filters/stale.py'),
                                     'loss_filters.stale.rank_share': ('stale.html#rank_share', 'loss_filters/stale.py')}}}

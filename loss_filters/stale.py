@@ -13,7 +13,7 @@ from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, ch
 from .callback import LossFilterCallback
 
 # %% auto #0
-__all__ = ['StaleLossPruningCallback', 'rank_share']
+__all__ = ['StaleLossPruningCallback', 'rank_share', 'anneals']
 
 # %% ../nbs/05_stale.ipynb #d83c4f1e
 class StaleLossPruningCallback(LossFilterCallback):
@@ -79,12 +79,18 @@ def rank_share(order:Tensor, rank:int, world_size:int, bs:int, drop_last:bool) -
     share = padded.view(world_size, -1)[rank]
     return share[:len(share) // bs * bs] if drop_last else share
 
+def anneals(epoch:int, # the epoch, from 0
+            n_epoch:int, # epochs in the fit
+            anneal:float) -> bool: # share of training at the end that uses all data
+    "Whether `epoch` starts in the last `anneal` share of training: `anneal=k/n_epoch` anneals exactly the last `k` epochs"
+    return epoch >= n_epoch * (1 - anneal) - 1e-9   # the tolerance absorbs rounding: 9 * (1 - 1/3) is 6.000000000000001
+
 @patch
 def before_train(self:StaleLossPruningCallback):
     LossFilterCallback.before_train(self)
     dl, n = self.dls.train, len(self.table)
     inner = dl.dl if _is_distributed_dl(dl) else dl
-    full = self.epoch == 0 or self.epoch >= self.n_epoch * (1 - self.anneal)
+    full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
     keep, self.weights = prune_by_stale_loss(self.table, 0. if full else self.prune, generator=self.gen)
     order = torch.randperm(n, device=keep.device, generator=self.gen)
     self.epoch_order = order[keep[order]]

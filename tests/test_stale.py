@@ -4,7 +4,7 @@ import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
 from fastai.callback.all import MixUp
 from loss_filters.core import prune_by_stale_loss
-from loss_filters.stale import StaleLossPruningCallback
+from loss_filters.stale import StaleLossPruningCallback, anneals
 from loss_filters.callback import BatchLossFilterCallback
 from conftest import make_dls, mlp
 
@@ -89,7 +89,7 @@ def test_full_data_first_and_in_the_annealing_tail_pruned_between():
         assert len(left_out & low) >= n_low // 2 and len(left_out - low) <= tail   # the pruned are all below the mean
     for ep in (0, 6, 7): assert len(ids_of(ep)) == n                          # full data
 
-@pytest.mark.parametrize('n_epoch,anneal,full', [(5, .125, [0]), (5, .2, [0, 4]), (7, .125, [0]), (8, .125, [0, 7])])
+@pytest.mark.parametrize('n_epoch,anneal,full', [(5, .125, [0]), (5, .2, [0, 4]), (7, .125, [0]), (8, .125, [0, 7]), (10, .3, [0, 7, 8, 9]), (9, 1/3, [0, 6, 7, 8])])
 def test_an_epoch_anneals_when_it_starts_in_the_last_anneal_share(n_epoch, anneal, full):
     "The InfoBatch rule: epoch e uses all data when e >= (1 - anneal) * n_epoch, so the default anneals nothing in a fit under 8 epochs"
     learn, _ = fixed_learner()
@@ -98,6 +98,12 @@ def test_an_epoch_anneals_when_it_starts_in_the_last_anneal_share(n_epoch, annea
     _fit(learn, n_epoch)
     assert [e for e, s in enumerate(cb.epoch_stats) if s['samp_perc'] == 1.] == full
     assert all(s['samp_perc'] < .9 for e, s in enumerate(cb.epoch_stats) if e not in full)
+
+def test_anneal_k_over_n_anneals_exactly_k_epochs():
+    "No rounding surprise: n_epoch * (1 - k/n_epoch) is often a hair above n_epoch - k in floating point"
+    for n in range(1, 201):
+        for k in range(n + 1):
+            assert [e for e in range(n) if anneals(e, n, k / n)] == list(range(n - k, n)), (n, k)
 
 def test_loss_grad_upweights_exactly_the_kept_easy_examples():
     learn, losses = fixed_learner()
