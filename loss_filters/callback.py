@@ -311,6 +311,7 @@ def plot_diagnostics(self:LossFilterCallback):
 # %% ../nbs/01_callback.ipynb #68566b8d
 class SelectiveBackpropCallback(LossFilterCallback):
     "Selective Backprop: train on a share `keep` of each batch, drawn with probability rising with the loss rank"
+    same_count = True   # `max(1, int(keep*n))` of every batch: the ranks' equal batches stay equal
     def __init__(self,
                  keep:float=.5, # share of each batch kept for the backward pass, in (0, 1]
                  start:float=.5, # fraction of training at which selection starts
@@ -323,7 +324,6 @@ class SelectiveBackpropCallback(LossFilterCallback):
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score)
         self.keep = keep
 
-    same_count = True   # `max(1, int(keep*n))` of every batch: the ranks' equal batches stay equal
     def is_active(self): return self.keep < 1 and super().is_active()
     def select(self, scores): return select_by_rank(scores, self.keep)
 
