@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools, json, math, platform, random, statistics, time
 from pathlib import Path
 import torch
+from torch import nn
 from fastcore.script import call_parse
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
@@ -14,11 +15,13 @@ from fastai.callback.schedule import ParamScheduler     # also patches `Learner.
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
 from .callback import *
 from .stale import StaleLossPruningCallback
-from .data import load_dls, simple_cnn
+from .data import load_dls, simple_cnn, simple_mlp
+from .models import WideResNet
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'parse_method', 'valid_accuracy', 'EpochClock', 'run_method',
-           'time_to_target', 'summarise', 'format_table', 'plot_results', 'profile_step', 'lf_bench', 'main']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'MODELS', 'RUN_SETTINGS', 'make_model', 'parse_method', 'valid_accuracy', 'EpochClock',
+           'run_method', 'time_to_target', 'summarise', 'format_table', 'plot_results', 'profile_step', 'lf_bench',
+           'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 _gn = dict(score='grad_norm')
@@ -26,6 +29,15 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
                stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
                sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn))
 DEFAULT_METHODS = 'baseline blf sb stale'
+
+MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
+              mlp=lambda x, c: simple_mlp(n_in=x[0].numel(), n_out=c),      # a cheap model: the filters' fixed costs show
+              wrn=lambda x, c: WideResNet(num_groups=2, N=1, num_classes=c, k=1, start_nf=16, n_in=x.shape[1]))   # residual
+
+def make_model(name:str, dls) -> nn.Module:
+    "The bench model `name` (one of `MODELS`) sized for the inputs and classes of `dls`"
+    if name not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {name!r}")
+    return MODELS[name](dls.one_batch()[0], dls.c)
 
 def _value(s:str):
     for f in (int, float):
@@ -88,16 +100,15 @@ class EpochClock(Callback):
 # %% ../nbs/03_bench.ipynb #5a924cac
 def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_' for c in spec)
 
-def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model_func=simple_cnn, show_progress:bool=True,
+def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str='cnn', show_progress:bool=True,
                diag:Path|None=None, evals_per_epoch:int=1) -> dict:
     "Train one method from `seed` and return its timings, history and kept shares"
     name, cb_cls, kw, run = parse_method(spec)
     epochs = run.get('epochs', epochs)
     set_seed(seed, reproducible=True)
     for dl in dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
-    model = model_func(n_in=dls.one_batch()[0].shape[1], n_out=dls.c)
     clock = EpochClock(evals_per_epoch)
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=clock)
+    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=clock)
     if cb_cls is not None: learn.add_cb(cb_cls(**kw))
     if show_progress: learn.fit_one_cycle(epochs, lr)
     else:
@@ -197,32 +208,45 @@ def plot_results(runs:list, target:float, out:Path) -> list:
     return paths
 
 # %% ../nbs/03_bench.ipynb #32afe6b3
-def _timed(f, n):
+def _timed(f, n:int, rounds:int=5) -> float:
+    "Seconds per call of `f`: the fastest of `rounds` rounds of `n` calls, after a warm-up (the least disturbed round)"
     f(); _sync()
-    t = time.perf_counter()
-    for _ in range(n): f()
-    _sync()
-    return (time.perf_counter() - t) / n
+    best = math.inf
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n): f()
+        _sync()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best
 
-def profile_step(dls, spec:str='blf', n:int=20, model_func=simple_cnn, seed:int=0) -> dict:
-    "Seconds per batch of the scoring pass, the selection and the training step of a filtered step"
+def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
+    "Seconds per batch of each piece of a filtered step, and the filter's own work beside the model as a share of a plain step"
     _, cb_cls, kw, _ = parse_method(spec)
     set_seed(seed)
-    learn = Learner(dls, model_func(n_in=dls.one_batch()[0].shape[1], n_out=dls.c), loss_func=CrossEntropyLossFlat())
+    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat())
     cb = cb_cls(**kw)
     learn.add_cb(cb); learn.create_opt(); learn.model.train()
     b = dls.train.one_batch()
     xb, yb = b[:1], b[1:]
-    cb.learn.xb, cb.learn.yb, cb.score_func = xb, yb, learn.loss_func
-    losses = cb.score_batch()[1]
+    learn.xb, learn.yb, learn.train_iter, learn.epoch = xb, yb, 0, 0
+    cb.score_func = learn.loss_func
+    cb._new_records(); cb._new_epoch()
+    losses, scores = cb.score_batch()
+    idxs = cb.select(scores).sort().values
+    def forward():
+        with torch.no_grad(), frozen_norm_stats(learn.model): learn.model(*xb)
     def step(x, y):
         loss = learn.loss_func(learn.model(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
-    idxs = cb.select(losses)
-    res = dict(score=_timed(cb.score_batch, n), select=_timed(lambda: take(xb + yb, cb.select(losses)), n),
+    res = dict(forward=_timed(forward, n), score=_timed(cb.score_batch, n), select=_timed(lambda: cb.select(scores).sort(), n),
+               record=_timed(lambda: cb._record(losses, scores, idxs, len(scores)), n),
+               take=_timed(lambda: (take(xb, idxs), take(yb, idxs)), n),
                train_kept=_timed(lambda: step(take(xb, idxs), take(yb, idxs)), n), train_full=_timed(lambda: step(xb, yb), n))
-    res['kept'], res['bs'] = len(idxs), len(losses)
-    total = res['score'] + res['select'] + res['train_kept']
-    res.update({f'{k}_share': res[k] / total for k in ('score', 'select', 'train_kept')})
+    res['kept'], res['bs'] = len(idxs), len(scores)
+    total = res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
+    res.update({f'{k}_share': res[k] / total for k in ('score', 'select', 'record', 'take', 'train_kept')})
+    # the filter's own work: everything of `before_batch` but the model's forward pass, against a plain training step
+    res['overhead'] = max(0., res['score'] - res['forward']) + res['select'] + res['record'] + res['take']
+    res['overhead_share'] = res['overhead'] / res['train_full']
     return res
 
 # %% ../nbs/03_bench.ipynb #a9c2fc68
@@ -240,26 +264,28 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          n_valid:int=None, # use only this many validation examples
          evals_per_epoch:int=1, # validation accuracy checks per epoch for the time to target; the extra ones are not timed
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
+         model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the same model with and without each loss filter and compare time to accuracy"
     specs = methods.split()
     for s in specs: parse_method(s)
     if epochs < 1 or repeats < 1 or evals_per_epoch < 1: raise ValueError("`epochs`, `repeats` and `evals_per_epoch` must be >= 1")
+    if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
     dls, data_name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    print(f"lf_bench: {data_name}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, epochs={epochs}, "
+    print(f"lf_bench: {data_name}, model {model}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, epochs={epochs}, "
           f"lr={lr}, seed={seed}, repeats={repeats}, torch threads={torch.get_num_threads()}")
-    run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, show_progress=False)   # warm-up, not reported
+    run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, model=model, show_progress=False)   # warm-up, not reported
     runs = []
     for rep in range(repeats):
         for s in specs:
             print(f"\n== {s} (repeat {rep + 1}/{repeats})")
-            runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=seed, show_progress=not quiet,
+            runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=seed, model=model, show_progress=not quiet,
                                    diag=out if rep == 0 else None, evals_per_epoch=evals_per_epoch) | dict(repeat=rep))
     rows, tgt = summarise(runs, target, target_drop)
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and c.select is not LossFilterCallback.select]
-    prof = {s: profile_step(dls, s) for s in scored} if profile else {}   # methods with a scoring pass and a selector
-    res = dict(data=data_name, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
+    prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
+    res = dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
                seed=seed, repeats=repeats, evals_per_epoch=evals_per_epoch, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),
                torch=torch.__version__, cuda=torch.cuda.is_available()), summary=rows, runs=runs, profile=prof)
     (out / 'results.json').write_text(json.dumps(res, indent=1))
@@ -267,9 +293,10 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     print(f"\nTarget accuracy {tgt:.4f}; times are training seconds (validation excluded), medians over {repeats} repeat(s)")
     print(format_table(rows))
     for s, p in prof.items():
-        print(f"profile {s}: score {p['score']*1e3:.1f} ms ({p['score_share']:.0%}), select {p['select']*1e3:.2f} ms "
-              f"({p['select_share']:.1%}), train kept {p['kept']}/{p['bs']} {p['train_kept']*1e3:.1f} ms "
-              f"({p['train_kept_share']:.0%}); full-batch step {p['train_full']*1e3:.1f} ms")
+        print(f"profile {s}: plain step {p['train_full']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's own "
+              f"work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (loss and scores "
+              f"{max(0, p['score'] - p['forward'])*1e3:.3f}, select {p['select']*1e3:.3f}, record {p['record']*1e3:.3f}, "
+              f"take {p['take']*1e3:.3f} ms); kept {p['kept']}/{p['bs']}, step on them {p['train_kept']*1e3:.2f} ms")
     print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
     return res
 

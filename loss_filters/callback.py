@@ -13,13 +13,15 @@ from fastcore.foundation import L
 from fastai.torch_core import find_bs
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.mixup import MixHandler
+from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation
-from fastai.learner import Learner, ValueMetric
+from fastai.learner import Learner, Recorder
 from .core import *
+from .core import _acc_dtype
 
 # %% auto #0
-__all__ = ['frozen_norm_stats', 'downsample', 'take', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback',
-           'BatchLossFilterCallback']
+__all__ = ['frozen_norm_stats', 'downsample', 'plain', 'take', 'LossFilterCallback', 'LossFilterColumns', 'BatchPool',
+           'SelectiveBackpropCallback', 'BatchLossFilterCallback']
 
 # %% ../nbs/01_callback.ipynb #a916e4ff
 @contextmanager
@@ -49,16 +51,28 @@ def _apply(f, o):
     "Apply `f` to every tensor of the (nested) batch tuple `o`"
     if isinstance(o, Tensor): return f(o)
     if isinstance(o, (tuple, list)): return type(o)(_apply(f, t) for t in o)
-    raise TypeError(f"a loss filter can only subset tensors in the batch, got {type(o).__name__}")
+    raise TypeError(f"a loss filter can only subset a batch of tensors (tuples of them too), got a {type(o).__name__}: "
+                    "give the Learner a batch of tensors, or train without the filter")
+
+def plain(o):
+    "`o` with every tensor (in nested tuples too) viewed as a plain `torch.Tensor`: no fastai type dispatch"
+    if isinstance(o, Tensor): return o if type(o) is Tensor else o.as_subclass(Tensor)
+    if isinstance(o, (tuple, list)): return type(o)(plain(t) for t in o)
+    return o
+
+def _index(t:Tensor, idxs:Tensor) -> Tensor:
+    "`t[idxs]` computed on plain tensors, handed back in `t`'s own type with its metadata"
+    if type(t) is Tensor: return t[idxs]
+    res = t.as_subclass(Tensor)[idxs].as_subclass(type(t))
+    if t.__dict__: res.__dict__.update(t.__dict__)
+    return res
 
 def take(b:tuple, idxs:Tensor) -> tuple:
-    "Index every tensor of the batch tuple `b` (nested tuples too) with `idxs`"
-    return _apply(lambda t: t[idxs.to(t.device)], tuple(b))
+    "Index every tensor of the batch tuple `b` (nested tuples too) with `idxs`, keeping each tensor's type"
+    idxs = plain(idxs)
+    return _apply(lambda t: _index(t, idxs if idxs.device == t.device else idxs.to(t.device)), tuple(b))
 
 # %% ../nbs/01_callback.ipynb #d921bfeb
-class _ShareMetric(ValueMetric):
-    "A Recorder column filled by a loss filter"
-
 class LossFilterCallback(Callback):
     "Score each training batch without gradients and train only on the examples `select` keeps"
     order,run_valid = MixHandler.order-1,False
@@ -77,6 +91,8 @@ class LossFilterCallback(Callback):
             raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
         check_score(score)
         store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score')
+        self.scoring = False   # True while the other callbacks' `after_pred` see the scoring pass's output
+        self._pred_cbs = []    # those callbacks, found at `before_fit`
 
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
     _local_sums = ('n_seen', 'n_kept', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
@@ -90,18 +106,69 @@ class LossFilterCallback(Callback):
         "Whether this training batch is filtered"
         return self.epoch >= self.skip_epochs and should_select(self.pct_train, self.iter, self.start, self.end, self.interrupt)
 
+    @property
+    def learn(self): return self.__dict__.get('_learn')
+    @learn.setter
+    def learn(self, learn):
+        "`add_cb` sets the Learner, `remove_cb` sets None: joining adds the columns, leaving gives the Learner back as it was"
+        old = self.__dict__.get('_learn')
+        if old is learn: return
+        if old is not None: self._leave(old)
+        self.__dict__['_learn'] = learn
+        if learn is not None: self._join(learn)
+
+class LossFilterColumns(Callback):
+    "The filter's columns in the fit table: named after the `Recorder` names its own, filled after validation"
+    order,name = Recorder.order+1,'loss_filter_columns'
+    names = ('samp_perc', 'loss_perc', 'full_train_loss')
+    def __init__(self, filt:LossFilterCallback): self.filt = filt
+
+    def before_fit(self):
+        self.shown = self.filt.run and hasattr(self.learn, 'recorder')
+        if not self.shown: return
+        names = L(self.recorder.metric_names)
+        at = len(names) - (names[-1] == 'time')
+        self.recorder.metric_names = names[:at] + L(self.names) + names[at:]
+
+    def before_validate(self):
+        "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
+        if self.shown and not self.filt.fit_trained:
+            self.shown = False
+            self.recorder.metric_names = L(n for n in self.recorder.metric_names if n not in self.names)
+
+    def after_validate(self):
+        if self.shown: self.recorder.log += [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
+
 # %% ../nbs/01_callback.ipynb #5ee9dbe7
+@patch
+def _join(self:LossFilterCallback, learn:Learner):
+    "Bring the columns along: they need an order of their own, after the `Recorder`'s"
+    if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
+    if self.columns not in learn.cbs: learn.add_cb(self.columns)
+
+@patch
+def _leave(self:LossFilterCallback, learn:Learner):
+    "Give `learn` back as it was before the filter joined, however its last fit ended"
+    self._restore()
+    if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
+
+@patch
+def _restore(self:LossFilterCallback):
+    "Undo what a fit changed outside the callback (the batch filters change nothing there)"
+
 @patch
 def before_fit(self:LossFilterCallback):
     self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
+    self._restore()   # a fit that died by an exception ran no `after_fit`
+    self.fit_trained, self._checked, self.scoring = False, False, False
     if not self.run: return
     others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterCallback) and cb is not self]
     if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
     check_per_sample(self.learn.loss_func)
     if dist_world()[1] > 1: self._check_distributed()
     self.score_func, self._fresh = self.learn.loss_func, True
-    self.learn.metrics = _without_shares(self.learn.metrics) + [_ShareMetric(self._samp_perc, 'samp_perc'),
-                                                                _ShareMetric(self._loss_perc, 'loss_perc')]
+    self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
+                      and getattr(type(cb), 'after_pred', None) is not None]
 
 @patch
 def _check_distributed(self:LossFilterCallback):
@@ -122,20 +189,18 @@ def _new_records(self:LossFilterCallback):
     self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
 
 @patch
-def before_validate(self:LossFilterCallback):
-    "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
-    if getattr(self, '_fresh', False): self.learn.metrics = _without_shares(self.learn.metrics)
-
-@patch
-def after_fit(self:LossFilterCallback): self.learn.metrics = _without_shares(self.learn.metrics)
-
-def _without_shares(metrics): return L(m for m in metrics if not isinstance(m, _ShareMetric))
+def after_fit(self:LossFilterCallback): self._restore()
 
 # %% ../nbs/01_callback.ipynb #47cce76e
 @patch
 def before_train(self:LossFilterCallback):
     if self._fresh: self._new_records()   # not in `before_fit`: `learn.validate()` would wipe the last fit's records
-    self._fresh = False
+    self._fresh, self.fit_trained = False, True
+    self._new_epoch()
+
+@patch
+def _new_epoch(self:LossFilterCallback):
+    "Zero the epoch's counts and sums"
     self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
     self._batches, self.pool, self.iter0 = [], BatchPool(), self.train_iter
@@ -144,39 +209,73 @@ def _unwrap(model:nn.Module) -> nn.Module:
     "The model inside a `DistributedDataParallel` wrapper: its forward would synchronise buffers across ranks"
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
+_missing = object()
+
+@patch
+def _as_loss_sees(self:LossFilterCallback, pred):
+    "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple); `learn.pred` is left as it was"
+    if not self._pred_cbs: return pred
+    d = self.learn.__dict__
+    old, self.scoring, d['pred'] = d.get('pred', _missing), True, pred
+    try:
+        for cb in self._pred_cbs: cb('after_pred')
+        return d['pred']
+    finally:
+        self.scoring = False
+        if old is _missing: d.pop('pred', None)
+        else: d['pred'] = old
+
 @patch
 def score_batch(self:LossFilterCallback) -> tuple:
-    "Per-example losses and scores of the current batch, from a no-grad forward pass that leaves no trace on the model"
+    "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace"
     mp, model = getattr(self.learn, 'mixed_precision', None), _unwrap(self.learn.model)
     with torch.no_grad(), getattr(mp, 'autocast', None) or nullcontext(), frozen_norm_stats(model):
-        pred = model(*downsample(self.learn.xb, self.scale_factor))
-        losses, scores = loss_and_score(self.score, self.score_func, pred, *self.learn.yb)
-    return losses.float(), scores.float()
+        pred = self._as_loss_sees(model(*downsample(self.learn.xb, self.scale_factor)))
+        losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(self.learn.yb))
+    return plain(losses).float(), plain(scores).float()
+
+@patch
+def _check_first_batch(self:LossFilterCallback, bs:int, scored:bool):
+    "Whatever the schedule, refuse at the first training batch, before any step, what filtering would fail on later"
+    self._checked = True
+    _apply(lambda t: t, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
+    if not scored: self.score_batch()                                   # one loss per example: `per_sample_loss` checks
 
 @patch
 def before_batch(self:LossFilterCallback):
     bs = find_bs(self.learn.yb)
     self.n_seen += bs
-    idxs = None
-    if self.is_active():
+    idxs, active = None, self.is_active()
+    if not self._checked: self._check_first_batch(bs, active)
+    if active:
         losses, scores = self.score_batch()
-        idxs = self.select(scores)
+        idxs = self.select(scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted by length
         self._record(losses, scores, idxs, bs)
     else: self.n_kept += bs
+    self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
     if self.fill_batch: self._fill(idxs)
     elif idxs is not None and len(idxs) < bs: self.learn.xb, self.learn.yb = take(self.learn.xb, idxs), take(self.learn.yb, idxs)
 
 @patch
+def after_loss(self:LossFilterCallback):
+    "An unfiltered step's own loss is its full-batch loss: count it in `full_train_loss` too"
+    if not self._plain_step: return
+    bs, loss = find_bs(self.learn.yb), self.learn.loss.detach().float()
+    self._loss_sum = self._loss_sum + (loss if getattr(self.score_func, 'reduction', 'mean') == 'sum' else loss * bs)
+    self._n_loss += bs
+
+@patch
 def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
     "Keep the batch's numbers on the device: kept count, kept share of the score, full-batch loss, score histogram"
-    finite = torch.where(scores.isfinite(), scores, 0.)
+    ok = scores.isfinite()
+    finite = torch.where(ok, scores, 0.).to(_acc_dtype(scores))   # sums in float64: a kept share never exceeds 1 by rounding
     kept, total = finite[idxs].sum(), finite.sum()
     self.n_kept += len(idxs); self.n_scored += bs
     self._loss_kept, self._loss_scored = self._loss_kept + kept, self._loss_scored + total
-    self._n_bad = self._n_bad + (bs - scores.isfinite().sum())
-    full = torch.where(losses.isfinite(), losses, 0.)
-    self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + bs
-    self._batches.append((self.train_iter, len(idxs), bs, torch.where(total > 0, kept / total, 1.), full.mean()))
+    self._n_bad = self._n_bad + (bs - ok.sum())
+    full = torch.where(losses.isfinite(), losses, 0.).sum()
+    self._loss_sum, self._n_loss = self._loss_sum + full, self._n_loss + bs
+    self._batches.append((self.train_iter, len(idxs), bs, torch.where(total > 0, kept / total, 1.).clamp(0, 1), full / bs))
     self.hist.add(scores, self.train_iter, idxs)
 
 # %% ../nbs/01_callback.ipynb #c6c30afa
@@ -227,7 +326,7 @@ def after_train(self:LossFilterCallback):
                        for b, s, f in zip(self._batches, shares, full)]
     scored = float(self._loss_scored)
     self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=self.n_kept / self.n_seen if self.n_seen else 1.,
-                                 loss_perc=float(self._loss_kept) / scored if self.n_scored and scored > 0 else 1.,
+                                 loss_perc=min(1., float(self._loss_kept) / scored) if self.n_scored and scored > 0 else 1.,
                                  full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
                                  iter0=self.iter0, n_iter=self.train_iter - self.iter0))
     n_bad = int(self._n_bad)
@@ -239,6 +338,8 @@ def after_train(self:LossFilterCallback):
 def _samp_perc(self:LossFilterCallback): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
 @patch
 def _loss_perc(self:LossFilterCallback): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
+@patch
+def _full_loss(self:LossFilterCallback): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
 
 # %% ../nbs/01_callback.ipynb #e58e470b
 def _axes(ax):

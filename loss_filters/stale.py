@@ -4,13 +4,14 @@
 
 # %% ../nbs/05_stale.ipynb #929480ab
 from __future__ import annotations
-import torch
+import itertools, torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
 from fastai.learner import Learner
+from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, check_range, dist_world, all_reduce_sum
-from .callback import LossFilterCallback
+from .callback import LossFilterCallback, plain
 
 # %% auto #0
 __all__ = ['StaleLossPruningCallback', 'rank_share', 'anneals']
@@ -35,12 +36,15 @@ class StaleLossPruningCallback(LossFilterCallback):
 # %% ../nbs/05_stale.ipynb #40d21a6b
 @patch
 def before_fit(self:StaleLossPruningCallback):
-    LossFilterCallback.before_fit(self)
+    LossFilterCallback.before_fit(self)   # gives the loader back its own order first, if a fit died with it changed
     if not self.run: return
-    self._restore()
     dl = self.dls.train
-    if not hasattr(dl, 'get_idxs') or not hasattr(dl, 'n'):
-        raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it sets the order through `get_idxs`")
+    inner = dl.dl if _is_distributed_dl(dl) else dl
+    if not hasattr(inner, 'get_idxs') or not hasattr(inner, 'n') or not hasattr(inner, 'chunkify'):
+        raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it filters the order of its `get_idxs`")
+    if _keeps_batches(inner) and inner is not dl:
+        raise ValueError(f"{type(self).__name__} cannot prune a {type(inner).__name__} under several processes: it orders its "
+                         "batches itself, and the ranks' pruned batches would differ in number")
     if any(isinstance(cb, MixHandler) for cb in self.learn.cbs):
         raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
 
@@ -54,13 +58,16 @@ def _new_records(self:StaleLossPruningCallback):
     seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))              # rank 0's seed on every rank
     self.gen = torch.Generator(device=dev).manual_seed(seed)
 
+_epoch_attrs = ('get_idxs', 'chunkify', 'sample')   # what an epoch sets on the loader instance, over its class's methods
+
 @patch
 def _restore(self:StaleLossPruningCallback):
-    "Give the training loader back its own order and length"
+    "Give the training loader back its own order, batching and length"
     saved = getattr(self, '_saved', None)
     if saved is None: return
     dl, inner, n = saved
-    dl.__dict__.pop('get_idxs', None)
+    for o in {id(dl): dl, id(inner): inner}.values():
+        for k in _epoch_attrs: o.__dict__.pop(k, None)
     inner.n, self._saved = n, None
 
 # %% ../nbs/05_stale.ipynb #4dbdcc03
@@ -68,6 +75,24 @@ class _FixedOrder:
     "A picklable `get_idxs` that returns the epoch's order"
     def __init__(self, idxs:list): self.idxs = idxs
     def __call__(self): return self.idxs
+
+class _KeptBatches:
+    "`sample` and `chunkify` for a loader whose batches are its own: batch `j` is its `j`-th batch less the pruned examples"
+    def __init__(self, dl, sizes:list): self.dl, self.sizes = dl, sizes
+    def _mine(self):
+        "The sizes of the batches this process builds: fastai gives batch `j` to worker `j % num_workers`"
+        nw, offs = max(self.dl.num_workers, 1), getattr(self.dl, 'offs', 0)
+        return [(j, s) for j, s in enumerate(self.sizes) if j % nw == offs]
+    def sample(self):
+        idxs, starts = self.dl.get_idxs(), [0] + list(itertools.accumulate(self.sizes))
+        return (i for j, s in self._mine() for i in idxs[starts[j]:starts[j] + s])
+    def chunkify(self, items):
+        it = iter(items)
+        for _, s in self._mine(): yield list(itertools.islice(it, s))
+
+def _keeps_batches(dl) -> bool:
+    "Whether `dl` orders its items itself (`SortedDL` sorts each batch by length): its batches are kept, pruned inside"
+    return type(dl).get_idxs is not DataLoader.get_idxs
 
 def _is_distributed_dl(dl) -> bool: return hasattr(dl, 'world_size') and hasattr(dl, 'rank') and hasattr(dl, 'dl')
 
@@ -86,18 +111,38 @@ def anneals(epoch:int, # the epoch, from 0
     return epoch >= n_epoch * (1 - anneal) - 1e-9   # the tolerance absorbs rounding: 9 * (1 - 1/3) is 6.000000000000001
 
 @patch
+def _epoch_batches(self:StaleLossPruningCallback, inner, keep:Tensor) -> tuple:
+    "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting)"
+    own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)
+    if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
+    bs, kept = inner.bs, keep.cpu()
+    if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
+        order = own[kept[own]]
+        return order, [min(bs, len(order) - i) for i in range(0, len(order), bs)]
+    batches = [own[i:i + bs] for i in range(0, len(own), bs)]
+    if inner.drop_last and batches and len(batches[-1]) < bs: batches = batches[:-1]
+    batches = [b[kept[b]] for b in batches]
+    batches = [b for b in batches if len(b)]
+    return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
+
+@patch
 def before_train(self:StaleLossPruningCallback):
     LossFilterCallback.before_train(self)
     dl, n = self.dls.train, len(self.table)
     inner = dl.dl if _is_distributed_dl(dl) else dl
     full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
     keep, self.weights = prune_by_stale_loss(self.table, 0. if full else self.prune, generator=self.gen)
-    order = torch.randperm(n, device=keep.device, generator=self.gen)
-    self.epoch_order = order[keep[order]]
+    self.epoch_order, sizes = self._epoch_batches(inner, keep)
     rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
-    self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last)
+    self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last).to(keep.device)
+    if world > 1: sizes = [min(inner.bs, len(self.rank_order) - i) for i in range(0, len(self.rank_order), inner.bs)]
+    self._starts = [0] + list(itertools.accumulate(sizes))
     self._saved = (dl, inner, inner.n)
-    dl.get_idxs, inner.n = _FixedOrder(self.rank_order.tolist()), world * len(self.rank_order)
+    dl.get_idxs = _FixedOrder(self.rank_order.tolist())
+    if _keeps_batches(inner):
+        kb = _KeptBatches(inner, sizes)
+        inner.sample, inner.chunkify, inner.n = kb.sample, kb.chunkify, len(sizes) * inner.bs   # `len(dl)`: its kept batches
+    else: inner.n = world * len(self.rank_order)
     self.trained = torch.zeros(n, dtype=torch.bool, device=keep.device)
     known = self.table.isfinite()
     self.n_seen, self.n_kept = n, len(self.epoch_order)
@@ -112,12 +157,12 @@ def before_batch(self:StaleLossPruningCallback): pass
 # %% ../nbs/05_stale.ipynb #b2aad269
 @patch
 def after_loss(self:StaleLossPruningCallback):
-    bs = self.dl.bs
-    idx = self.rank_order[self.iter * bs:(self.iter + 1) * bs]
-    losses = per_sample_loss(self.score_func, self.learn.pred, *self.learn.yb)
+    idx = self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
+    pred, yb = plain(self.learn.pred), plain(self.learn.yb)   # no fastai type dispatch in the bookkeeping
+    losses = per_sample_loss(self.score_func, pred, *yb)
     if self.score == 'loss': scores = losses.detach().float()
     else:
-        with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, self.learn.pred, *self.learn.yb)
+        with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, pred, *yb)
     self.table[idx], self.trained[idx] = scores, True
     self.hist.add(scores, self.train_iter)
     self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
@@ -145,10 +190,6 @@ def after_cancel_epoch(self:StaleLossPruningCallback):
     if getattr(self, '_saved', None) is None: return   # cancelled in validation: `after_train` has run
     self._restore()
     self._share_table()
-@patch
-def after_fit(self:StaleLossPruningCallback):
-    self._restore()
-    LossFilterCallback.after_fit(self)
 
 # %% ../nbs/05_stale.ipynb #644a662b
 @patch

@@ -34,11 +34,17 @@ def bn_cnn(n_out=10):
     return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1),
                          nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, n_out))
 
+def col(learn, name:str) -> list:
+    "The per-epoch values of the Recorder column `name` (values have no `epoch` column)"
+    i = list(learn.recorder.metric_names).index(name) - 1
+    return [v[i] for v in learn.recorder.values]
+
 class BatchSpy(Callback):
     "Records what the training step really sees: the batch size at `after_pred` and the inputs"
     order = 100
     def __init__(self, keep_inputs=False): self.sizes, self.inputs, self.keep_inputs = [], [], keep_inputs
     def after_pred(self):
-        if not self.training: return
+        filt = getattr(self.learn, 'loss_filter', None)
+        if not self.training or getattr(filt, 'scoring', False): return   # the filter's scoring pass is not a training step
         self.sizes.append((self.epoch, self.iter, self.yb[0].shape[0]))
         if self.keep_inputs: self.inputs.append([x.detach().clone() for x in self.xb])

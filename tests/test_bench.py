@@ -29,8 +29,11 @@ def test_results_json_keys_and_types(small_run):
     assert saved['runs'][0]['kept'] == [] and all(len(r['kept']) > 0 for r in saved['runs'][1:4])
     assert 'stale:prune=.9' not in saved['profile']                    # no scoring pass to profile
     prof = saved['profile']['blf:skip_epochs=0']
-    assert set(prof) >= {'score', 'select', 'train_kept', 'train_full', 'score_share', 'select_share', 'train_kept_share'}
-    assert math.isclose(prof['score_share'] + prof['select_share'] + prof['train_kept_share'], 1.)
+    assert set(prof) >= {'forward', 'score', 'select', 'record', 'take', 'train_kept', 'train_full', 'overhead', 'overhead_share'}
+    assert math.isclose(sum(prof[f'{k}_share'] for k in ('score', 'select', 'record', 'take', 'train_kept')), 1.)
+    parts = max(0., prof['score'] - prof['forward']) + prof['select'] + prof['record'] + prof['take']
+    assert math.isclose(prof['overhead'], parts) and math.isclose(prof['overhead_share'], prof['overhead'] / prof['train_full'])
+    assert saved['model'] == 'cnn'
     assert 'blf_gn:skip_epochs=0' in saved['profile']
 
 def test_pngs_written_and_nonempty(small_run):
@@ -127,3 +130,8 @@ def test_epochs_setting_shortens_one_method():
     assert [(r['method'], r['epochs']) for r in rows] == [('baseline', 3), ('baseline:epochs=1', 1), ('stale:prune=.5,epochs=2', 2)]
     lines = format_table(rows).splitlines()
     assert [l.split()[1] for l in lines[1:]] == ['3', '1', '2']
+
+def test_models_option(tmp_path):
+    res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, profile=True, model='mlp', methods='baseline blf:skip_epochs=0')
+    assert res['model'] == 'mlp' and 0 < res['profile']['blf:skip_epochs=0']['overhead_share'] < 10
+    with pytest.raises(ValueError, match='`model` must be one of cnn, mlp, wrn'): lf_bench(data='digits', model='vit', out=str(tmp_path))

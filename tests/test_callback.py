@@ -1,12 +1,12 @@
 "The callbacks on real fastai Learners: what is kept, what is recorded, and what else fastai users combine them with."
 import math, pickle, warnings
 import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
-from fastai.basics import Learner, Callback, accuracy, CrossEntropyLossFlat, set_seed, load_learner
+from fastai.basics import Learner, Callback, accuracy, CrossEntropyLossFlat, set_seed, load_learner, find_bs
 from fastai.callback.all import (GradientAccumulation, MixedPrecision, MixUp, CutMix, CSVLogger, SaveModelCallback,
                                  EarlyStoppingCallback, ShowGraphCallback)
 from loss_filters.core import select_by_loss_share
 from loss_filters.callback import *
-from conftest import make_dls, mlp, bn_cnn, BatchSpy, ItemList
+from conftest import make_dls, mlp, bn_cnn, BatchSpy, ItemList, col
 
 def learner(dls, model, **kw):
     "A Learner with cross-entropy unless the test names its own loss"
@@ -54,8 +54,7 @@ def test_selective_backprop_kept_sizes_and_schedule(digits_dls):
     for e, i, n in bspy.sizes:
         pct = (e * n_batches + i) / (4 * n_batches)
         assert n == (16 if pct >= .5 - 1e-9 and (i + 1) % 2 != 0 else 64), (e, i, pct, n)
-    vals = learn.recorder.values
-    samp = [v[-2] for v in vals]
+    samp = col(learn, 'samp_perc')
     assert samp[0] == samp[1] == 1. and samp[2] < 1 and samp[3] < 1
     expected = [sum(n for e, i, n in bspy.sizes if e == ep) / (64 * n_batches) for ep in range(4)]
     assert samp == pytest.approx(expected)
@@ -152,9 +151,9 @@ def test_columns_appear_exactly_once(digits_dls, how):
     if how == 'add_cb': learn.add_cb(BatchLossFilterCallback())
     if how == 'patch': learn.batch_loss_filter()
     for _ in range(3): fit(learn, 1)
-    assert _names(learn) == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'samp_perc', 'loss_perc', 'time']
-    assert len(learn.recorder.values[-1]) == 5
-    assert [type(m).__name__ for m in learn.metrics] == ['AvgMetric']   # removed again after the fit
+    assert _names(learn) == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'samp_perc', 'loss_perc', 'full_train_loss', 'time']
+    assert len(learn.recorder.values[-1]) == 6
+    assert [type(m).__name__ for m in learn.metrics] == ['AvgMetric']   # the user's metrics are never touched
 
 def test_columns_once_after_a_failed_fit(digits_dls):
     class Boom(Callback):
@@ -313,7 +312,7 @@ def test_show_graph_and_progress_bar(digits_dls, capsys):
     learn.fit_one_cycle(2, 1e-2)                       # with fastai's progress output, as a user runs it
     printed = capsys.readouterr().out
     assert 'samp_perc' in printed and 'loss_perc' in printed
-    assert len(learn.recorder.values) == 2 and learn.recorder.values[1][-2] < 1
+    assert len(learn.recorder.values) == 2 and col(learn, 'samp_perc')[1] < 1
 
 def test_early_stopping_can_monitor_samp_perc(digits_dls):
     learn = learner(digits_dls, mlp(), metrics=accuracy).batch_loss_filter()
@@ -350,13 +349,25 @@ def test_nonfinite_losses_warn_once_per_fit(digits_dls):
     assert len(msgs) == 1
     assert all(r['kept'] >= 1 for r in learn.loss_filter.stats)
 
-def test_full_batch_loss_is_recorded(digits_dls):
-    learn = fit(learner(digits_dls, mlp(), metrics=accuracy).batch_loss_filter(), 2)
+class LossSpy(Callback):
+    "The training loss and batch size of every step"
+    order = 100
+    def __init__(self): self.rec = []
+    def after_loss(self):
+        if self.training: self.rec.append((self.epoch, float(self.loss), find_bs(self.yb)))
+
+def test_full_train_loss_column_is_every_examples_loss(digits_dls):
+    spy = LossSpy()
+    learn = fit(learner(digits_dls, mlp(), metrics=accuracy).batch_loss_filter().add_cb(spy), 2)   # epoch 0 unfiltered
     ep = learn.loss_filter.epoch_stats
-    assert math.isnan(ep[0]['full_loss']) and 0 < ep[1]['full_loss'] < 5
+    first = [(l, n) for e, l, n in spy.rec if e == 0]
+    assert ep[0]['full_loss'] == pytest.approx(sum(l * n for l, n in first) / sum(n for _, n in first), rel=1e-5)
     batches = [r for r in learn.loss_filter.stats if r['epoch'] == 1]
     assert ep[1]['full_loss'] == pytest.approx(sum(r['full_loss'] * r['bs'] for r in batches) / sum(r['bs'] for r in batches), rel=1e-5)
     assert all(0 < r['full_loss'] for r in learn.loss_filter.stats)
+    assert col(learn, 'full_train_loss') == pytest.approx([ep[0]['full_loss'], ep[1]['full_loss']])
+    kept = [l for e, l, _ in spy.rec if e == 1]
+    assert ep[1]['full_loss'] < np.mean(kept)   # fastai's train_loss is the kept, harder examples' loss
 
 def test_plot_kept_returns_a_figure(digits_dls):
     import matplotlib; matplotlib.use('Agg')
@@ -383,7 +394,7 @@ class TrainedIds(Callback):
     order = 100
     def before_fit(self): self.ids = []
     def after_pred(self):
-        if self.training: self.ids.append((self.epoch, self.xb[0][:, -1].long().clone()))
+        if self.training and not self.learn.loss_filter.scoring: self.ids.append((self.epoch, self.xb[0][:, -1].long().clone()))
 
 @pytest.mark.parametrize('make', [lambda: BatchLossFilterCallback(min_loss_perc=.7, skip_epochs=0, fill_batch=True),
                                   lambda: SelectiveBackpropCallback(keep=.3, start=0., end=1., interrupt=3, fill_batch=True)])
@@ -411,7 +422,7 @@ def test_fill_batch_trains_every_selected_example_once_in_full_batches(make):
         assert sorted(got) == sorted(selected) and len(set(got)) == len(got)    # each selected example exactly once
         assert all(len(s) == 32 for s in steps[:-1]) and 1 <= len(steps[-1]) < 64
         assert len(steps) < n_batches                                              # fewer, fuller steps
-    samp = [v[-2] for v in learn.recorder.values]
+    samp = col(learn, 'samp_perc')
     assert all(s < 1 for s in samp)
     assert not any(math.isnan(v[0]) for v in learn.recorder.values)               # train loss ignores skipped batches
 

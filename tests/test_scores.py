@@ -9,7 +9,7 @@ from loss_filters.core import (per_sample_grad_norm, loss_and_grad_norm, loss_an
                                select_by_loss_share, ScoreHistogram, _plain_ce)
 from loss_filters.callback import *
 from loss_filters.stale import StaleLossPruningCallback
-from conftest import make_dls, mlp, BatchSpy
+from conftest import make_dls, mlp, BatchSpy, col
 
 def autograd_norms(loss_func, pred, *yb):
     "Reference: per-example gradient norms, one backward per example"
@@ -183,7 +183,7 @@ def test_grad_norm_scores_reported_loss_perc_is_their_share(digits_dls):
     kept = sum(float(s[select_by_loss_share(s, .8)].sum()) for s, _, _ in spy.calls)
     assert learn.loss_filter.stats[-1]['loss_share'] >= .8
     total = sum(float(s.sum()) for s, _, _ in spy.calls)
-    assert learn.recorder.values[-1][-1] == pytest.approx(kept / total, rel=1e-4)
+    assert col(learn, 'loss_perc')[-1] == pytest.approx(kept / total, rel=1e-4)
     # the full-batch loss is still the loss, not the score
     assert learn.loss_filter.epoch_stats[-1]['full_loss'] == pytest.approx(
         np.mean([r['full_loss'] for r in learn.loss_filter.stats]), rel=1e-4)
@@ -210,7 +210,7 @@ def test_stale_pruning_remembers_gradient_norms(digits_dls):
     t = cb.table
     assert t.isfinite().all() and t.min() >= 0 and t.max() <= math.sqrt(2) + 1e-6
     torch.testing.assert_close(t[spy.idx], spy.gn)     # the last step's examples hold their gradient norms
-    assert [v[-2] for v in learn.recorder.values][1] < 1
+    assert col(learn, 'samp_perc')[1] < 1
     # every trained example was counted once in the histogram (the training loader drops its last partial batch)
     trained = sum(round(e['samp_perc'] * n) // 64 * 64 for e in cb.epoch_stats)
     assert int(cb.hist.table()[0][:, 0].sum()) == trained
