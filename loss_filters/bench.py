@@ -9,26 +9,34 @@ from pathlib import Path
 import torch
 from torch import nn
 from fastcore.script import call_parse
-from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
 from .callback import *
 from .stale import StaleLossPruningCallback
-from .data import load_dls, simple_cnn, simple_mlp
+from .controls import RandomPruningCallback, RandomBatchCallback
+from .data import load_dls, simple_cnn, simple_mlp, CropFlip
 from .models import WideResNet
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'MODELS', 'RUN_SETTINGS', 'make_model', 'parse_method', 'valid_accuracy', 'EpochClock',
-           'run_method', 'time_to_target', 'summarise', 'format_table', 'plot_results', 'profile_step', 'lf_bench',
-           'main']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'PRESETS', 'MODELS', 'RUN_SETTINGS', 'make_model', 'parse_method', 'valid_accuracy',
+           'EpochClock', 'run_method', 'time_to_target', 'summarise', 'format_table', 'plot_results',
+           'plain_step_seconds', 'profile_step', 'budget_specs', 'matched_control', 'add_verdicts', 'plot_budget',
+           'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 _gn = dict(score='grad_norm')
 METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(SelectiveBackpropCallback, {}),
                stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
-               sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn))
+               sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn),
+               random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
+
+# `quick`: `make bench`, minutes. `long`: the regime the recipes are published for (augmentation, a schedule long enough
+# for the baseline to plateau), with both controls beside every method.
+PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False),
+               long=dict(epochs=20, evals_per_epoch=2, augment=True, controls=True))
 
 MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
               mlp=lambda x, c: simple_mlp(n_in=x[0].numel(), n_out=c),      # a cheap model: the filters' fixed costs show
@@ -162,12 +170,14 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002) -> tupl
 
 # %% ../nbs/03_bench.ipynb #808f691a
 _cols = [('method', '{}'), ('epochs', '{}'), ('wall_s', '{:.1f}'), ('train_s', '{:.1f}'), ('target_s', '{:.1f}'),
-         ('reached', '{}'), ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x')]
+         ('reached', '{}'), ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x'),
+         ('vs_budget', '{}'), ('vs_random', '{}')]
 
 def format_table(rows:list) -> str:
     "The summary as a plain-text table (medians; `±spread` over repeats where there are several; `reached`: repeats that reached the target)"
     def cell(r, k, f):
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
+        if k.startswith('vs_'): return f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else '-'   # points of accuracy
         v = r.get(k)
         if v is None: return '-'
         s = f.format(v)
@@ -219,6 +229,30 @@ def _timed(f, n:int, rounds:int=5) -> float:
         best = min(best, (time.perf_counter() - t) / n)
     return best
 
+class _StepClock(Callback):
+    "Seconds per batch of the first `n` training batches of a fit (data loading, forward, backward, step, callbacks), then stop"
+    order = 100
+    def __init__(self, n:int): self.n = n
+    def before_train(self): _sync(); self.t0 = time.perf_counter()
+    def after_batch(self):
+        if self.training and self.iter + 1 == self.n: _sync(); self.secs = (time.perf_counter() - self.t0) / self.n; raise CancelFitException()
+
+def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
+    "Seconds per batch of plain fastai training, as a fit runs it: the step a filter's own work is measured against"
+    set_seed(seed)
+    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat())
+    best = math.inf
+    for _ in range(3):   # the least disturbed of three short fits
+        clock = _StepClock(min(n, len(dls.train)))
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=clock)
+        best = min(best, clock.secs)
+    return best
+
+class _Cached(nn.Module):
+    "A stand-in model that returns a fixed output: times the scoring pass without the forward"
+    def __init__(self, out): super().__init__(); self.out = out
+    def forward(self, *x): return self.out
+
 def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
     "Seconds per batch of each piece of a filtered step, and the filter's own work beside the model as a share of a plain step"
     _, cb_cls, kw, _ = parse_method(spec)
@@ -229,29 +263,109 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     b = dls.train.one_batch()
     xb, yb = b[:1], b[1:]
     learn.xb, learn.yb, learn.train_iter, learn.epoch = xb, yb, 0, 0
-    cb.score_func = learn.loss_func
+    cb.score_func, net = learn.loss_func, learn.model
+    cb._norms, cb._mp = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)], None
     cb._new_records(); cb._new_epoch()
     losses, scores = cb.score_batch()
     idxs = cb.select(scores).sort().values
     def forward():
-        with torch.no_grad(), frozen_norm_stats(learn.model): learn.model(*xb)
+        with torch.no_grad(), frozen_norm_stats(net): return net(*plain(xb))
+    n_epoch = len(dls.train)
+    def records():   # an epoch of batches recorded, and the epoch's end that folds them
+        cb._new_epoch()
+        for _ in range(n_epoch): cb._record(losses, scores, idxs, len(scores))
+        cb._fold_epoch()
+    def before_batch():   # the callback's whole batch step, as a fit calls it (with the stand-in model: no forward)
+        learn.xb, learn.yb = xb, yb
+        try: cb.before_batch()
+        except CancelBatchException: pass   # `fill_batch` waiting for a full batch
     def step(x, y):
-        loss = learn.loss_func(learn.model(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
-    res = dict(forward=_timed(forward, n), score=_timed(cb.score_batch, n), select=_timed(lambda: cb.select(scores).sort(), n),
-               record=_timed(lambda: cb._record(losses, scores, idxs, len(scores)), n),
+        loss = learn.loss_func(net(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
+    res = dict(forward=_timed(forward, n))
+    learn.model = _Cached(forward())
+    learn.pct_train, learn.iter, learn.n_iter, learn.dl, learn.training, cb._checked = .5, 0, n_epoch, dls.train, True, True
+    learn.epoch = cb.skip_epochs   # an epoch the filter acts in
+    res['score'] = _timed(cb.score_batch, n)   # the scoring pass but its forward: losses, scores, conversions
+    res['before_batch'] = _timed(before_batch, n)
+    learn.model, learn.xb, learn.yb = net, xb, yb
+    res.update(select=_timed(lambda: cb.select(scores).sort(), n), record=_timed(records, 1) / n_epoch,
                take=_timed(lambda: (take(xb, idxs), take(yb, idxs)), n),
                train_kept=_timed(lambda: step(take(xb, idxs), take(yb, idxs)), n), train_full=_timed(lambda: step(xb, yb), n))
+    res['plain_step'] = plain_step_seconds(dls, max(n, 30), model, seed)
     res['kept'], res['bs'] = len(idxs), len(scores)
-    total = res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
-    res.update({f'{k}_share': res[k] / total for k in ('score', 'select', 'record', 'take', 'train_kept')})
-    # the filter's own work: everything of `before_batch` but the model's forward pass, against a plain training step
-    res['overhead'] = max(0., res['score'] - res['forward']) + res['select'] + res['record'] + res['take']
-    res['overhead_share'] = res['overhead'] / res['train_full']
+    total = res['forward'] + res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
+    res.update({f'{k}_share': res[k] / total for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')})
+    # the filter's own work: its whole `before_batch` besides the model's forward, and its share of the epoch's records
+    res['overhead'] = res['before_batch'] + res['record']
+    res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
 
 # %% ../nbs/03_bench.ipynb #a9c2fc68
+def budget_specs(epochs:int, fracs:str='.5 .6 .7 .8 .9') -> list:
+    "The equal-compute control: the plain baseline on shorter one-cycle schedules, at these shares of `epochs`"
+    ks = sorted({max(1, round(float(f) * epochs)) for f in fracs.split()})
+    return [f'baseline:epochs={k}' for k in ks if k < epochs]
+
+def matched_control(spec:str, runs:list) -> str|None:
+    "The random control at the share `spec`'s runs really kept: `random` for a sampler pruner, `random_batch` for a batch filter"
+    _, cls, kw, _ = parse_method(spec)
+    if cls is None or issubclass(cls, (RandomPruningCallback, RandomBatchCallback)): return None
+    rs, cb = [r for r in runs if r['method'] == spec], cls(**kw)
+    if isinstance(cb, StaleLossPruningCallback):   # the share of the data in its pruned epochs
+        shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
+        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}" if shares else None
+    shares = [k for r in rs for _, k in r['kept']]   # the share of each batch it filtered, on its own schedule
+    if not shares: return None
+    return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"
+            f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}")
+
+def _verdict(diff:float, tol:float, n_seeds:int) -> dict:
+    "A difference of final accuracy smaller than the spread over seeds is no difference"
+    word = 'beats' if diff > tol else 'loses' if diff < -tol else 'no difference'
+    return dict(diff=diff, tol=tol, verdict=word if n_seeds > 1 else f'{word} (1 seed)')
+
+def _interp(curve:list, t:float) -> tuple:
+    "Accuracy (and spread) of the baseline's budget curve at `t` training seconds; None below its cheapest point"
+    if not curve or t < curve[0][0]: return None, None
+    if t >= curve[-1][0]: return curve[-1][1], curve[-1][2]   # more time than the longest baseline: compare with it
+    for (t0, a0, s0), (t1, a1, s1) in zip(curve, curve[1:]):
+        if t0 <= t <= t1: return a0 + (a1 - a0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.), max(s0, s1)
+
+def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int) -> list:
+    "Each method against the equal-compute baseline's curve (at its training seconds) and its random control (at its share)"
+    by = {r['method']: r for r in rows}
+    sp = lambda r: r.get('final_accuracy_spread') or 0.
+    curve = sorted((by[m]['train_s'], by[m]['final_accuracy'], sp(by[m])) for m in [*budgets, 'baseline'] if m in by)
+    for r in rows:
+        m = r['method']
+        if m == 'baseline' or m in budgets or m in control_of.values(): continue
+        if len(curve) > 1:
+            acc, s = _interp(curve, r['train_s'])
+            if acc is not None: r['vs_budget'] = _verdict(r['final_accuracy'] - acc, max(sp(r), s), n_seeds)
+        c = by.get(control_of.get(m))
+        if c: r['vs_random'] = _verdict(r['final_accuracy'] - c['final_accuracy'], max(sp(r), sp(c)), n_seeds) | dict(control=c['method'])
+    return rows
+
+def plot_budget(rows:list, budgets:list, control_of:dict, out:Path) -> Path:
+    "Final accuracy against training seconds: the baseline's budget curve, every method and control over it"
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    curve = sorted((r['train_s'], r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
+    ax.plot(*zip(*curve), 'k.-', label='baseline, shorter schedules (equal compute)')
+    for i, r in enumerate(r for r in rows if r['method'] not in [*budgets, 'baseline']):
+        ctl = r['method'] in control_of.values()
+        ax.errorbar(r['train_s'], r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6,
+                    mfc='none' if ctl else f'C{i}', color=f'C{i}', label=r['method'])
+    ax.set(xlabel='training seconds', ylabel='final validation accuracy', title='Accuracy against training time, over the budget curve')
+    ax.legend(fontsize=7, loc='lower right'); fig.tight_layout()
+    path = out / 'accuracy_vs_budget.png'; fig.savefig(path, dpi=110); plt.close(fig)
+    return path
+
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         epochs:int=5, # epochs per fit (a method's own `epochs=` setting overrides it)
+         preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (augmentation, a long schedule, the controls)
+         epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
+         seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
          bs:int=256, # batch size
          lr:float=3e-3, # maximum learning rate of `fit_one_cycle`
          methods:str=DEFAULT_METHODS, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2"
@@ -262,41 +376,62 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          target_drop:float=.002, # default target: this much below the baseline's final accuracy (0.2 points)
          n_train:int=None, # use only this many training examples (a quicker run)
          n_valid:int=None, # use only this many validation examples
-         evals_per_epoch:int=1, # validation accuracy checks per epoch for the time to target; the extra ones are not timed
+         evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
+         controls:bool=None, # also run the equal-compute baselines and the random controls; default: the preset's
+         budgets:str='.5 .6 .7 .8 .9', # shares of `epochs` for the equal-compute baselines
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the same model with and without each loss filter and compare time to accuracy"
+    if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
+    pre = PRESETS[preset]
+    epochs, evals_per_epoch = epochs or pre['epochs'], evals_per_epoch or pre['evals_per_epoch']
+    controls = pre['controls'] if controls is None else controls
     specs = methods.split()
     for s in specs: parse_method(s)
-    if epochs < 1 or repeats < 1 or evals_per_epoch < 1: raise ValueError("`epochs`, `repeats` and `evals_per_epoch` must be >= 1")
+    if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:
+        raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
     dls, data_name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed)
+    if pre['augment']: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    print(f"lf_bench: {data_name}, model {model}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, epochs={epochs}, "
-          f"lr={lr}, seed={seed}, repeats={repeats}, torch threads={torch.get_num_threads()}")
+    print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, "
+          f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}")
     run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, model=model, show_progress=False)   # warm-up, not reported
-    runs = []
-    for rep in range(repeats):
-        for s in specs:
-            print(f"\n== {s} (repeat {rep + 1}/{repeats})")
-            runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=seed, model=model, show_progress=not quiet,
-                                   diag=out if rep == 0 else None, evals_per_epoch=evals_per_epoch) | dict(repeat=rep))
+    runs, seed_list = [], range(seed, seed + seeds)
+    def run_all(todo:list, what:str):
+        for sd in seed_list:
+            for rep in range(repeats):
+                for s in todo:
+                    print(f"\n== {s} ({what}seed {sd}, repeat {rep + 1}/{repeats})")
+                    first = sd == seed and rep == 0
+                    runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=sd, model=model, show_progress=not quiet,
+                                           diag=out if first and what == '' else None, evals_per_epoch=evals_per_epoch)
+                                | dict(repeat=rep, seed=sd))
+    run_all(specs, '')
+    budget_runs, control_of = [], {}
+    if controls:   # after the methods: a random control needs the share its method really kept
+        budget_runs = [b for b in budget_specs(epochs, budgets) if b not in specs]
+        control_of = {s: c for s in specs if (c := matched_control(s, runs)) is not None}
+        run_all(budget_runs + list(dict.fromkeys(c for c in control_of.values() if c not in specs)), 'control, ')
     rows, tgt = summarise(runs, target, target_drop)
+    add_verdicts(rows, budget_runs, control_of, seeds)
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
-    res = dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
+    res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of), n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
                seed=seed, repeats=repeats, evals_per_epoch=evals_per_epoch, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),
                torch=torch.__version__, cuda=torch.cuda.is_available()), summary=rows, runs=runs, profile=prof)
     (out / 'results.json').write_text(json.dumps(res, indent=1))
     plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
-    print(f"\nTarget accuracy {tgt:.4f}; times are training seconds (validation excluded), medians over {repeats} repeat(s)")
+    if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
+    print(f"\nTarget accuracy {tgt:.4f}; times are training seconds (validation excluded), medians over {seeds} seed(s) x "
+          f"{repeats} repeat(s); final accuracy: median ±spread over them")
     print(format_table(rows))
     for s, p in prof.items():
-        print(f"profile {s}: plain step {p['train_full']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's own "
-              f"work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (loss and scores "
-              f"{max(0, p['score'] - p['forward'])*1e3:.3f}, select {p['select']*1e3:.3f}, record {p['record']*1e3:.3f}, "
-              f"take {p['take']*1e3:.3f} ms); kept {p['kept']}/{p['bs']}, step on them {p['train_kept']*1e3:.2f} ms")
+        print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
+              f"own work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (its batch step {p['before_batch']*1e3:.3f} "
+              f"with losses and scores {p['score']*1e3:.3f}, select {p['select']*1e3:.3f}, take {p['take']*1e3:.3f}; records {p['record']*1e3:.3f} ms); "
+              f"kept {p['kept']}/{p['bs']}, bare step on them {p['train_kept']*1e3:.2f} ms, on all {p['train_full']*1e3:.2f} ms")
     print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
     return res
 

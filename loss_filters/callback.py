@@ -25,9 +25,10 @@ __all__ = ['frozen_norm_stats', 'downsample', 'plain', 'take', 'LossFilterCallba
 
 # %% ../nbs/01_callback.ipynb #a916e4ff
 @contextmanager
-def frozen_norm_stats(model:nn.Module):
+def frozen_norm_stats(model:nn.Module, norms:list|None=None):
     "Batch-norm layers in training mode use batch statistics but leave their running statistics untouched"
-    mods = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    mods = [m for m in (model.modules() if norms is None else norms)   # `norms`: the model's norm layers, found once
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
     for m in mods: m.track_running_stats = False
     try: yield
     finally:
@@ -104,7 +105,14 @@ class LossFilterCallback(Callback):
 
     def is_active(self) -> bool:
         "Whether this training batch is filtered"
-        return self.epoch >= self.skip_epochs and should_select(self.pct_train, self.iter, self.start, self.end, self.interrupt)
+        learn = self.learn
+        return learn.epoch >= self.skip_epochs and should_select(learn.pct_train, learn.iter, self.start, self.end, self.interrupt)
+
+    _hot = frozenset(('n_seen', 'n_kept', 'n_scored', '_plain_step', 'scoring'))
+    def __setattr__(self, name, value):
+        "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
+        if name in self._hot: self.__dict__[name] = value
+        else: super().__setattr__(name, value)
 
     @property
     def learn(self): return self.__dict__.get('_learn')
@@ -169,6 +177,8 @@ def before_fit(self:LossFilterCallback):
     self.score_func, self._fresh = self.learn.loss_func, True
     self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
                       and getattr(type(cb), 'after_pred', None) is not None]
+    self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+    self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 @patch
 def _check_distributed(self:LossFilterCallback):
@@ -203,7 +213,7 @@ def _new_epoch(self:LossFilterCallback):
     "Zero the epoch's counts and sums"
     self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
-    self._batches, self.pool, self.iter0 = [], BatchPool(), self.train_iter
+    self._batches, self._plain_losses, self.pool, self.iter0 = [], [], BatchPool(), self.train_iter
 
 def _unwrap(model:nn.Module) -> nn.Module:
     "The model inside a `DistributedDataParallel` wrapper: its forward would synchronise buffers across ranks"
@@ -228,10 +238,11 @@ def _as_loss_sees(self:LossFilterCallback, pred):
 @patch
 def score_batch(self:LossFilterCallback) -> tuple:
     "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace"
-    mp, model = getattr(self.learn, 'mixed_precision', None), _unwrap(self.learn.model)
-    with torch.no_grad(), getattr(mp, 'autocast', None) or nullcontext(), frozen_norm_stats(model):
-        pred = self._as_loss_sees(model(*downsample(self.learn.xb, self.scale_factor)))
-        losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(self.learn.yb))
+    learn = self.learn
+    mp, model = getattr(self, '_mp', None), _unwrap(learn.model)
+    with torch.no_grad(), getattr(mp, 'autocast', None) or nullcontext(), frozen_norm_stats(model, getattr(self, '_norms', None)):
+        pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
+        losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
     return plain(losses).float(), plain(scores).float()
 
 @patch
@@ -243,9 +254,11 @@ def _check_first_batch(self:LossFilterCallback, bs:int, scored:bool):
 
 @patch
 def before_batch(self:LossFilterCallback):
-    bs = find_bs(self.learn.yb)
+    learn = self.learn   # attributes read from the Learner directly: a callback's own lookup goes through `GetAttr`
+    bs = find_bs(learn.yb)
     self.n_seen += bs
-    idxs, active = None, self.is_active()
+    idxs = None
+    active = self.is_active()
     if not self._checked: self._check_first_batch(bs, active)
     if active:
         losses, scores = self.score_batch()
@@ -254,29 +267,51 @@ def before_batch(self:LossFilterCallback):
     else: self.n_kept += bs
     self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
     if self.fill_batch: self._fill(idxs)
-    elif idxs is not None and len(idxs) < bs: self.learn.xb, self.learn.yb = take(self.learn.xb, idxs), take(self.learn.yb, idxs)
+    elif idxs is not None and len(idxs) < bs: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
 
 @patch
 def after_loss(self:LossFilterCallback):
-    "An unfiltered step's own loss is its full-batch loss: count it in `full_train_loss` too"
+    "An unfiltered step's own loss is its full-batch loss: keep it for `full_train_loss` (summed at the epoch's end)"
     if not self._plain_step: return
-    bs, loss = find_bs(self.learn.yb), self.learn.loss.detach().float()
-    self._loss_sum = self._loss_sum + (loss if getattr(self.score_func, 'reduction', 'mean') == 'sum' else loss * bs)
-    self._n_loss += bs
+    self._plain_losses.append((self.learn.loss.detach(), find_bs(self.learn.yb)))
 
 @patch
 def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
-    "Keep the batch's numbers on the device: kept count, kept share of the score, full-batch loss, score histogram"
-    ok = scores.isfinite()
-    finite = torch.where(ok, scores, 0.).to(_acc_dtype(scores))   # sums in float64: a kept share never exceeds 1 by rounding
-    kept, total = finite[idxs].sum(), finite.sum()
+    "Keep the batch's tensors, untouched: all the sums are made at the epoch's end in a few vectorised operations"
     self.n_kept += len(idxs); self.n_scored += bs
-    self._loss_kept, self._loss_scored = self._loss_kept + kept, self._loss_scored + total
-    self._n_bad = self._n_bad + (bs - ok.sum())
-    full = torch.where(losses.isfinite(), losses, 0.).sum()
-    self._loss_sum, self._n_loss = self._loss_sum + full, self._n_loss + bs
-    self._batches.append((self.train_iter, len(idxs), bs, torch.where(total > 0, kept / total, 1.).clamp(0, 1), full / bs))
-    self.hist.add(scores, self.train_iter, idxs)
+    self._batches.append((self.learn.train_iter, losses, scores, idxs))
+
+def _segment_sum(values:Tensor, seg:Tensor, n:int) -> Tensor: return values.new_zeros(n).index_add_(0, seg, values)
+
+@patch
+def _fold_epoch(self:LossFilterCallback):
+    "The epoch's sums, per-batch records and histogram rows from the kept batch tensors, on their device, in one pass"
+    if self._plain_losses:
+        ls, ns = zip(*self._plain_losses)
+        per = torch.stack([l.float() for l in ls]).to(_acc_dtype(ls[0]))
+        sizes = per.new_tensor(ns)
+        self._loss_sum = self._loss_sum + (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
+        self._n_loss += sum(ns)
+    if not self._batches: return
+    its, losses, scores, idxs = zip(*self._batches)
+    sizes, kept = [len(s) for s in scores], [len(i) for i in idxs]
+    losses, scores, dev = torch.cat(losses), torch.cat(scores), scores[0].device
+    nb, starts = len(sizes), torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)
+    seg = torch.repeat_interleave(torch.arange(nb, device=dev), torch.tensor(sizes, device=dev))
+    flat = torch.cat(idxs).to(dev) + torch.repeat_interleave(starts, torch.tensor(kept, device=dev))
+    mask = torch.zeros_like(scores, dtype=torch.bool); mask[flat] = True
+    ok, acc = scores.isfinite(), _acc_dtype(scores)   # sums in float64: a kept share never exceeds 1 by rounding
+    fin = torch.where(ok, scores, 0.).to(acc)
+    total, kept_sum = _segment_sum(fin, seg, nb), _segment_sum(fin * mask, seg, nb)
+    full = _segment_sum(torch.where(losses.isfinite(), losses, 0.).to(acc), seg, nb)
+    self._loss_kept, self._loss_scored = self._loss_kept + kept_sum.sum(), self._loss_scored + total.sum()
+    self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
+    self._n_bad = self._n_bad + (~ok).sum()
+    share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
+    rows = torch.stack([share, full / full.new_tensor(sizes)]).tolist()
+    self.stats += [dict(iter=i, kept=k, bs=b, loss_share=s, full_loss=f, epoch=self.epoch)
+                   for i, k, b, s, f in zip(its, kept, sizes, *rows)]
+    self.hist.add_many(scores, torch.repeat_interleave(torch.tensor(its, device=dev), torch.tensor(sizes, device=dev)), mask)
 
 # %% ../nbs/01_callback.ipynb #c6c30afa
 def _cat(parts:list):
@@ -319,11 +354,8 @@ def _reduce_sums(self:LossFilterCallback):
 
 @patch
 def after_train(self:LossFilterCallback):
+    self._fold_epoch()
     self._reduce_sums()
-    if self._batches:
-        shares, full = torch.stack([b[3] for b in self._batches]).tolist(), torch.stack([b[4] for b in self._batches]).tolist()
-        self.stats += [dict(iter=b[0], kept=b[1], bs=b[2], loss_share=s, full_loss=f, epoch=self.epoch)
-                       for b, s, f in zip(self._batches, shares, full)]
     scored = float(self._loss_scored)
     self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=self.n_kept / self.n_seen if self.n_seen else 1.,
                                  loss_perc=min(1., float(self._loss_kept) / scored) if self.n_scored and scored > 0 else 1.,

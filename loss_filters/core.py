@@ -4,14 +4,15 @@
 
 # %% ../nbs/00_core.ipynb #08d2c3b2
 from __future__ import annotations
-import inspect, math
+import functools, inspect, math
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
 
 # %% auto #0
 __all__ = ['SCORES', 'check_range', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm', 'per_sample_grad_norm',
            'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank', 'select_by_loss_share',
-           'prune_by_stale_loss', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum']
+           'prune_by_stale_loss', 'prune_at_random', 'select_at_random', 'check_schedule', 'should_select',
+           'dist_world', 'all_reduce_sum']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -54,6 +55,19 @@ def _per_example(losses:Tensor, bs:int, loss_func) -> Tensor:
                     f"expected one value per example (batch size {bs})")
 
 # %% ../nbs/00_core.ipynb #d7039233
+def _is_flat(loss_func, pred, yb) -> bool:
+    "Whether `loss_func` is fastai's `BaseLoss` wrapper itself (`CrossEntropyLossFlat`...), called on one plain tensor target"
+    return (getattr(type(loss_func).__call__, '__qualname__', '') == 'BaseLoss.__call__' and len(yb) == 1
+            and type(pred) is Tensor and type(yb[0]) is Tensor)
+
+def _flat_loss(f, inp:Tensor, targ:Tensor) -> Tensor:
+    "What fastai's `BaseLoss.__call__` computes, on plain tensors: it wraps them in `TensorBase`, whose every op dispatches in Python"
+    inp, targ = inp.transpose(f.axis, -1).contiguous(), targ.transpose(f.axis, -1).contiguous()
+    if f.floatify and targ.dtype != torch.float16: targ = targ.float()
+    if targ.dtype in (torch.int8, torch.int16, torch.int32): targ = targ.long()
+    if f.flatten: inp = inp.view(-1, inp.shape[-1]) if f.is_2d else inp.view(-1)
+    return f.func(inp, targ.view(-1) if f.flatten else targ)
+
 def per_sample_loss(loss_func, # a torch/fastai loss module, or a function taking `reduction=`
                     pred, # the model's output for the batch
                     *yb) -> Tensor: # the targets
@@ -63,8 +77,9 @@ def per_sample_loss(loss_func, # a torch/fastai loss module, or a function takin
     else:
         old = loss_func.reduction
         loss_func.reduction = 'none'
-        try: losses = loss_func(pred, *yb)
+        try: losses = _flat_loss(loss_func, pred, *yb) if _is_flat(loss_func, pred, yb) else loss_func(pred, *yb)
         finally: loss_func.reduction = old
+    if isinstance(losses, Tensor) and type(losses) is not Tensor: losses = losses.as_subclass(Tensor)   # no typed dispatch
     return _per_example(losses, _batch_size(pred, yb), loss_func)
 
 # %% ../nbs/00_core.ipynb #dc62fb88
@@ -143,16 +158,27 @@ class ScoreHistogram:
             it:int, # the training iteration, never decreasing from call to call
             kept:Tensor|None=None): # indices of the kept examples; None when all were kept
         "Count one batch's scores (and its kept ones) in the row of iteration `it`"
-        if self.counts is None:   # the counts and the inner bin edges live on the scores' device: no copy per batch
+        mask = None
+        if kept is not None: mask = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device); mask[kept.to(scores.device)] = True
+        self.add_many(scores, torch.full_like(scores, it, dtype=torch.int64), mask)
+
+    def add_many(self, scores:Tensor, # the scores of several batches, shape `[n]`
+                 its:Tensor, # the training iteration of each score, shape `[n]`, none below those of earlier calls
+                 kept:Tensor|None=None): # bool mask of the kept examples, shape `[n]`; None when all were kept
+        "Count many scores at once, each in the row of its iteration: the same counts as one `add` per batch"
+        if not len(scores): return
+        if self.counts is None:   # the counts and the inner bin edges live on the scores' device: no copy per call
             self.counts = torch.zeros(self.rows, 2, self.bins, dtype=torch.int64, device=scores.device)
             self._inner = self.edges[1:-1].to(scores.device)
-        while it // self.stride >= self.rows: self._halve()
-        row = it // self.stride
+        last = int(its.max())
+        while last // self.stride >= self.rows: self._halve()
+        row = its.to(scores.device) // self.stride
         b = torch.bucketize(torch.nan_to_num(scores.detach().float(), nan=math.inf), self._inner)
-        one = torch.ones_like(b)
-        self.counts[row, 0].scatter_add_(0, b, one)
-        self.counts[row, 1].scatter_add_(0, b if kept is None else b[kept.to(b.device)], one if kept is None else one[:len(kept)])
-        self.n_rows = max(self.n_rows, row + 1)
+        flat, counts = row * (2 * self.bins) + b, self.counts.view(-1)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        kept_flat = (flat if kept is None else flat[kept]) + self.bins
+        counts.index_add_(0, kept_flat, torch.ones_like(kept_flat))
+        self.n_rows = max(self.n_rows, last // self.stride + 1)
 
     def _halve(self):
         c = self.counts
@@ -182,6 +208,12 @@ def _count(frac:float, n:int, rnd) -> int:
 def _acc_dtype(t:Tensor): return torch.float32 if t.device.type == 'mps' else torch.float64
 
 # %% ../nbs/00_core.ipynb #9e618dbb
+@functools.lru_cache(maxsize=64)
+def _rank_weights(n:int, keep:float, device) -> Tensor:
+    "Weight of rank i of n: `((i + 0.5) / n) ** (1/keep - 1)`, scaled so the top rank weighs 1 (no underflow for tiny `keep`)"
+    pct = (torch.arange(n, device=device, dtype=torch.float32) + .5) / n
+    return (pct / pct[-1]) ** (1/keep - 1)
+
 def select_by_rank(losses:Tensor, # per-example losses, shape `[n]`
                    keep:float, # share of the batch to keep, in (0, 1]
                    generator:torch.Generator|None=None # random source, on the losses' device
@@ -192,9 +224,7 @@ def select_by_rank(losses:Tensor, # per-example losses, shape `[n]`
     n = losses.shape[0]
     if keep == 1 or n <= 1: return torch.arange(n, device=losses.device)
     order = torch.argsort(_sortable(losses), stable=True)
-    pct = (torch.arange(n, device=losses.device, dtype=torch.float32) + .5) / n
-    weights = (pct / pct[-1]) ** (1/keep - 1)   # scaled so the top rank weighs 1: no underflow for tiny `keep`
-    picked = torch.multinomial(weights, max(1, _count(keep, n, math.floor)), generator=generator)
+    picked = torch.multinomial(_rank_weights(n, keep, losses.device), max(1, _count(keep, n, math.floor)), generator=generator)
     return order[picked]
 
 # %% ../nbs/00_core.ipynb #317dde6a
@@ -208,12 +238,11 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
     check_range('min_sample_perc', min_sample_perc, 0, 1)
     n = losses.shape[0]
     if n == 0: return torch.arange(0, device=losses.device)
-    srt, order = torch.sort(_sortable(losses), descending=True, stable=True)
-    finite = srt.isfinite()
-    cum = torch.where(finite, srt, 0.).to(_acc_dtype(srt)).cumsum(0)
-    n_loss = (cum < min_loss_perc * cum[-1]).sum() + 1
+    srt, order = torch.sort(_sortable(losses), descending=True, stable=True)   # NaN became inf: the infinite ones lead
+    cum = torch.nan_to_num(srt, posinf=0.).cumsum(0, dtype=_acc_dtype(srt))     # they count 0 in the shares
+    at = torch.searchsorted(cum, cum[-1:] * min_loss_perc)   # the first prefix carrying the share (`cum` rises: losses >= 0)
     # one host sync for the three numbers the size depends on
-    n_loss, n_bad, negative = torch.stack([n_loss, (~finite).sum(), (srt[-1] < 0).long()]).tolist()
+    n_loss, n_bad, negative = torch.cat([at + 1, srt.isinf().sum(0, keepdim=True), srt[-1:] < 0]).tolist()
     if negative: raise ValueError("`losses` must be non-negative for `select_by_loss_share`: loss shares are undefined otherwise")
     k = max(n_loss, n_bad, _count(min_sample_perc, n, math.ceil), 1)
     return order[:min(k, n)]
@@ -235,6 +264,26 @@ def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of
     keep[low_idx[torch.randperm(len(low_idx), device=losses.device, generator=generator)[:n_prune]]] = False
     weights[low & keep] = 1 / (1 - prune)
     return keep, weights
+
+def prune_at_random(n:int, # examples in the dataset
+                    keep:float, # share of them to keep, in (0, 1]
+                    generator:torch.Generator|None=None, # random source, on `device`
+                    device=None) -> Tensor: # bool mask of the kept examples, `round(keep*n)` of them (at least 1)
+    "The random control of sampler-level pruning: a uniformly random share `keep` of the dataset, whatever the losses"
+    check_range('keep', keep, 0, 1, lo_open=True)
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[torch.randperm(n, generator=generator, device=device)[:max(1, _count(keep, n, round))]] = True
+    return mask
+
+def select_at_random(losses:Tensor, # per-example losses, shape `[n]` (only their number is used)
+                     keep:float, # share of the batch to keep, in (0, 1]
+                     generator:torch.Generator|None=None # random source, on the losses' device
+                    ) -> Tensor: # indices of `max(1, round(keep*n))` examples drawn uniformly
+    "The random control of batch-level selection: the same number of examples a filter keeps, chosen blind"
+    _check_losses(losses)
+    check_range('keep', keep, 0, 1, lo_open=True)
+    n = losses.shape[0]
+    return torch.randperm(n, device=losses.device, generator=generator)[:max(1, _count(keep, n, round))]
 
 # %% ../nbs/00_core.ipynb #0b63721c
 def check_schedule(start:float, end:float, interrupt:int):

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import gzip, os, urllib.request, warnings, zlib
 from pathlib import Path
-import numpy as np, torch
+import numpy as np, torch, torch.nn.functional as F
 from torch import nn, Tensor
 from fastcore.basics import store_attr
 from fastai.torch_core import default_device
@@ -16,7 +16,8 @@ from fastai.data.core import DataLoaders
 # %% auto #0
 __all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx', 'write_idx',
            'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet', 'TensorDL', 'tensor_dls',
-           'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like', 'simple_cnn', 'simple_mlp']
+           'CropFlip', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like', 'simple_cnn',
+           'simple_mlp']
 
 # %% ../nbs/02_data.ipynb #9ea389b7
 class IdxFormatError(ValueError):
@@ -128,6 +129,22 @@ def tensor_dls(x_train:Tensor, y_train:Tensor, x_valid:Tensor, y_valid:Tensor,
     mk = lambda x, y: TensorSet(x.to(device), y.to(device), c=c)
     return DataLoaders(TensorDL(mk(x_train, y_train), bs=bs, shuffle=True, device=device),
                        TensorDL(mk(x_valid, y_valid), bs=val_bs or 2 * bs, device=device), device=device)
+
+class CropFlip:
+    "A batch transform for training images: a random crop after zero padding by `pad`, and a random horizontal flip, per image"
+    def __init__(self, pad:int=2, # pixels of zero padding on each side before cropping back to the input's size
+                 flip:bool=True): # also flip each image left-right with probability 1/2
+        self.pad, self.flip = pad, flip
+    def __call__(self, b:tuple) -> tuple:
+        x, *rest = b
+        n, _, h, w = x.shape
+        xp, p, dev = F.pad(x, (self.pad,) * 4), self.pad, x.device
+        rows = torch.randint(0, 2 * p + 1, (n, 1), device=dev) + torch.arange(h, device=dev)   # each image's own offsets
+        cols = torch.randint(0, 2 * p + 1, (n, 1), device=dev) + torch.arange(w, device=dev)
+        if self.flip: cols = torch.where(torch.rand(n, 1, device=dev) < .5, cols.flip(1), cols)
+        out = xp[torch.arange(n, device=dev)[:, None, None, None], torch.arange(x.shape[1], device=dev)[None, :, None, None],
+                 rows[:, None, :, None], cols[:, None, None, :]]
+        return (out, *rest)
 
 # %% ../nbs/02_data.ipynb #19e86833
 def _subset(x, y, n, seed):

@@ -126,12 +126,17 @@ def _epoch_batches(self:StaleLossPruningCallback, inner, keep:Tensor) -> tuple:
     return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
 
 @patch
+def _epoch_keep(self:StaleLossPruningCallback, full:bool) -> tuple:
+    "The epoch's `(keep mask, loss weights)` over the dataset: the policy of a sampler-level pruner (here InfoBatch's rule)"
+    return prune_by_stale_loss(self.table, 0. if full else self.prune, generator=self.gen)
+
+@patch
 def before_train(self:StaleLossPruningCallback):
     LossFilterCallback.before_train(self)
     dl, n = self.dls.train, len(self.table)
     inner = dl.dl if _is_distributed_dl(dl) else dl
     full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
-    keep, self.weights = prune_by_stale_loss(self.table, 0. if full else self.prune, generator=self.gen)
+    keep, self.weights = self._epoch_keep(full)
     self.epoch_order, sizes = self._epoch_batches(inner, keep)
     rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
     self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last).to(keep.device)

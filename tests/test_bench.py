@@ -30,9 +30,9 @@ def test_results_json_keys_and_types(small_run):
     assert 'stale:prune=.9' not in saved['profile']                    # no scoring pass to profile
     prof = saved['profile']['blf:skip_epochs=0']
     assert set(prof) >= {'forward', 'score', 'select', 'record', 'take', 'train_kept', 'train_full', 'overhead', 'overhead_share'}
-    assert math.isclose(sum(prof[f'{k}_share'] for k in ('score', 'select', 'record', 'take', 'train_kept')), 1.)
-    parts = max(0., prof['score'] - prof['forward']) + prof['select'] + prof['record'] + prof['take']
-    assert math.isclose(prof['overhead'], parts) and math.isclose(prof['overhead_share'], prof['overhead'] / prof['train_full'])
+    assert math.isclose(sum(prof[f'{k}_share'] for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')), 1.)
+    assert math.isclose(prof['overhead'], prof['before_batch'] + prof['record']) and math.isclose(prof['overhead_share'], prof['overhead'] / prof['plain_step'])
+    assert 0 < prof['plain_step'] and 0 < prof['forward']
     assert saved['model'] == 'cnn'
     assert 'blf_gn:skip_epochs=0' in saved['profile']
 
@@ -135,3 +135,51 @@ def test_models_option(tmp_path):
     res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, profile=True, model='mlp', methods='baseline blf:skip_epochs=0')
     assert res['model'] == 'mlp' and 0 < res['profile']['blf:skip_epochs=0']['overhead_share'] < 10
     with pytest.raises(ValueError, match='`model` must be one of cnn, mlp, wrn'): lf_bench(data='digits', model='vit', out=str(tmp_path))
+
+# ------------------------------------------------------------------ the long preset: seeds, controls, verdicts
+@pytest.fixture(scope='module')
+def long_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp('long')
+    res = lf_bench(data='digits', preset='long', epochs=4, seeds=2, bs=64, n_train=1000, out=str(out), quiet=True,
+                   methods='baseline blf:skip_epochs=0 stale')
+    return out, res
+
+def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
+    out, res = long_run
+    saved = json.loads((out / 'results.json').read_text())
+    assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2
+    assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3']
+    ctl = saved['controls']['random']
+    assert ctl['blf:skip_epochs=0'].startswith('random_batch:keep=') and ctl['stale'].startswith('random:keep=')
+    by = {r['method']: r for r in saved['summary']}
+    assert set(by) == {'baseline', 'blf:skip_epochs=0', 'stale', 'baseline:epochs=2', 'baseline:epochs=3', *ctl.values()}
+    for m in ('blf:skip_epochs=0', 'stale'):
+        r = by[m]
+        for k in ('train_s', 'target_x', 'total_x', 'final_accuracy', 'final_accuracy_spread', 'mean_samp_perc'): assert k in r, k
+        assert r['repeats'] == 2                                           # one run per seed
+        assert r['vs_random']['control'] == ctl[m] and r['vs_random']['verdict'] in ('beats', 'loses', 'no difference')
+        assert math.isclose(r['vs_random']['diff'], r['final_accuracy'] - by[ctl[m]]['final_accuracy'])
+        if 'vs_budget' in r: assert r['vs_budget']['verdict'] in ('beats', 'loses', 'no difference')
+    # the random controls kept the share their method kept
+    keep = float(ctl['stale'].split('keep=')[1].split(',')[0])
+    assert by[ctl['stale']]['mean_samp_perc'] < 1 and 0 < keep < 1
+    assert {r['seed'] for r in saved['runs']} == {0, 1}
+    assert (out / 'accuracy_vs_budget.png').stat().st_size > 10_000
+
+def test_verdict_rule():
+    from loss_filters.bench import _verdict, _interp
+    assert _verdict(.004, .003, 3)['verdict'] == 'beats' and _verdict(-.004, .003, 3)['verdict'] == 'loses'
+    assert _verdict(.002, .003, 3)['verdict'] == 'no difference' and _verdict(.01, 0., 1)['verdict'] == 'beats (1 seed)'
+    curve = [(10., .80, .01), (20., .90, .02)]
+    assert _interp(curve, 5.) == (None, None) and _interp(curve, 15.) == (pytest.approx(.85), .02) and _interp(curve, 30.) == (.90, .02)
+
+def test_crop_flip_keeps_shapes_and_moves_pixels():
+    import torch
+    from loss_filters.data import CropFlip
+    torch.manual_seed(0)
+    x, y = torch.rand(16, 1, 8, 8), torch.arange(16)
+    ax, ay = CropFlip(pad=2)((x, y))
+    assert ax.shape == x.shape and torch.equal(ay, y) and not torch.equal(ax, x)
+    xp = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    def crops(i): return [v.flip(-1) if f else v for r in range(5) for c in range(5) for f in (0, 1) for v in [xp[i, :, r:r + 8, c:c + 8]]]
+    assert all(any(torch.equal(ax[i], v) for v in crops(i)) for i in range(16))   # each image: one crop of its padded self

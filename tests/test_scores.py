@@ -257,3 +257,45 @@ def test_stale_pruning_diagnostics(digits_dls):
     fig = learn.loss_filter.plot_kept()
     assert len(fig.axes[0].lines[0].get_xdata()) == 3
     plt.close(fig)
+
+# ---------------------------------------------------------------- records made once per epoch equal per-batch ones
+def test_histogram_add_many_equals_one_add_per_batch():
+    g = torch.Generator().manual_seed(1)
+    one, many = ScoreHistogram(lo=1e-3, hi=10, bins=8, rows=4), ScoreHistogram(lo=1e-3, hi=10, bins=8, rows=4)
+    batches = [(it, torch.rand(12, generator=g) * 20, torch.randperm(12, generator=g)[:4]) for it in range(0, 50, 3)]
+    for it, s, k in batches: one.add(s, it, k)
+    for part in (batches[:6], batches[6:]):   # two "epochs", the second forcing merges
+        mask = torch.zeros(12 * len(part), dtype=torch.bool)
+        for j, (_, _, k) in enumerate(part): mask[k + 12 * j] = True
+        many.add_many(torch.cat([s for _, s, _ in part]), torch.tensor([it for it, _, _ in part]).repeat_interleave(12), mask)
+    (c1, i1, _), (c2, i2, _) = one.table(), many.table()
+    assert torch.equal(c1, c2) and torch.equal(i1, i2) and one.stride == many.stride == 16
+
+class PlainSpy:
+    "What `select` is given and returns, with the batch's losses: the per-batch reference for the epoch-end records"
+    def __init__(self, cb): self.calls, self._select, self.cb = [], cb.select, cb; cb.select = self
+    def __call__(self, scores):
+        idxs = self._select(scores)
+        self.calls.append((type(scores), type(idxs), scores.clone(), idxs.clone()))
+        return idxs
+
+@pytest.mark.parametrize('make', [lambda: BatchLossFilterCallback(min_loss_perc=.8, skip_epochs=0),
+                                  lambda: SelectiveBackpropCallback(keep=.3, start=0, end=1, interrupt=2)], ids=['blf', 'sb'])
+def test_records_equal_a_per_batch_recount(digits_dls, make):
+    set_seed(0)
+    learn = learner(digits_dls).add_cb(make())
+    spy = PlainSpy(learn.loss_filter)
+    fit(learn, 2)
+    cb = learn.loss_filter
+    assert all(ts is torch.Tensor and ti is torch.Tensor for ts, ti, _, _ in spy.calls)   # plain tensors, no fastai types
+    assert len(cb.stats) == len(spy.calls)
+    for r, (_, _, s, k) in zip(cb.stats, spy.calls):
+        s64 = s.double()
+        assert r['kept'] == len(k) and r['bs'] == len(s) and r['loss_share'] == pytest.approx(float(s64[k].sum() / s64.sum()), rel=1e-9)
+    for e in range(2):
+        calls = [c for c, r in zip(spy.calls, cb.stats) if r['epoch'] == e]
+        kept, total = sum(float(s.double()[k].sum()) for _, _, s, k in calls), sum(float(s.double().sum()) for _, _, s, _ in calls)
+        assert cb.epoch_stats[e]['loss_perc'] == pytest.approx(kept / total, rel=1e-9)
+    ref = ScoreHistogram(*cb.hist_range, bins=cb.hist_bins, rows=cb.hist_rows)
+    for r, (_, _, s, k) in zip(cb.stats, spy.calls): ref.add(s, r['iter'], k)
+    assert torch.equal(ref.table()[0], cb.hist.table()[0])
