@@ -377,7 +377,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          n_train:int=None, # use only this many training examples (a quicker run)
          n_valid:int=None, # use only this many validation examples
          evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
-         controls:bool=None, # also run the equal-compute baselines and the random controls; default: the preset's
+         controls:str='auto', # `yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's
          budgets:str='.5 .6 .7 .8 .9', # shares of `epochs` for the equal-compute baselines
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
@@ -386,7 +386,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     pre = PRESETS[preset]
     epochs, evals_per_epoch = epochs or pre['epochs'], evals_per_epoch or pre['evals_per_epoch']
-    controls = pre['controls'] if controls is None else controls
+    if controls not in ('auto', 'yes', 'no'): raise ValueError(f"`controls` must be 'auto', 'yes' or 'no', got {controls!r}")
+    controls = pre['controls'] if controls == 'auto' else controls == 'yes'
     specs = methods.split()
     for s in specs: parse_method(s)
     if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:

@@ -183,3 +183,13 @@ def test_crop_flip_keeps_shapes_and_moves_pixels():
     xp = torch.nn.functional.pad(x, (2, 2, 2, 2))
     def crops(i): return [v.flip(-1) if f else v for r in range(5) for c in range(5) for f in (0, 1) for v in [xp[i, :, r:r + 8, c:c + 8]]]
     assert all(any(torch.equal(ax[i], v) for v in crops(i)) for i in range(16))   # each image: one crop of its padded self
+
+def test_console_script_long_preset_runs_the_controls(tmp_path):
+    "From the command line too, the long preset brings its controls (a `bool=None` option would parse as a False flag)"
+    script = Path(sys.executable).parent / 'lf_bench'
+    r = subprocess.run([str(script), '--data', 'digits', '--preset', 'long', '--epochs', '2', '--bs', '128', '--n_train', '400',
+                        '--methods', 'baseline stale', '--quiet', '--out', str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((tmp_path / 'results.json').read_text())
+    assert saved['preset'] == 'long' and saved['controls']['budgets'] == ['baseline:epochs=1']
+    with pytest.raises(ValueError, match="`controls` must be"): lf_bench(data='digits', controls='maybe', out=str(tmp_path))
