@@ -187,8 +187,9 @@ def test_crop_flip_keeps_shapes_and_moves_pixels():
 def test_console_script_long_preset_runs_the_controls(tmp_path):
     "From the command line too, the long preset brings its controls (a `bool=None` option would parse as a False flag)"
     script = Path(sys.executable).parent / 'lf_bench'
-    r = subprocess.run([str(script), '--data', 'digits', '--preset', 'long', '--epochs', '2', '--bs', '128', '--n_train', '400',
-                        '--methods', 'baseline stale', '--quiet', '--out', str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(script), '--data', 'digits', '--preset', 'long', '--epochs', '2', '--bs', '128',   # no `_` options:
+                        '--methods', 'baseline stale', '--quiet', '--out', str(tmp_path)],     # fastcore 2 spells them with `-`
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['preset'] == 'long' and saved['controls']['budgets'] == ['baseline:epochs=1']
