@@ -264,7 +264,7 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     xb, yb = b[:1], b[1:]
     learn.xb, learn.yb, learn.train_iter, learn.epoch = xb, yb, 0, 0
     cb.score_func, net = learn.loss_func, learn.model
-    cb._norms, cb._mp = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)], None
+    cb._find_fit_parts()
     cb._new_records(); cb._new_epoch()
     losses, scores = cb.score_batch()
     idxs = cb.select(scores).sort().values

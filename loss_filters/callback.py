@@ -175,6 +175,11 @@ def before_fit(self:LossFilterCallback):
     check_per_sample(self.learn.loss_func)
     if dist_world()[1] > 1: self._check_distributed()
     self.score_func, self._fresh = self.learn.loss_func, True
+    self._find_fit_parts()
+
+@patch
+def _find_fit_parts(self:LossFilterCallback):
+    "Look up once per fit what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers"
     self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
                       and getattr(type(cb), 'after_pred', None) is not None]
     self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
@@ -246,7 +251,7 @@ def score_batch(self:LossFilterCallback) -> tuple:
     return plain(losses).float(), plain(scores).float()
 
 @patch
-def _check_first_batch(self:LossFilterCallback, bs:int, scored:bool):
+def _check_first_batch(self:LossFilterCallback, scored:bool):
     "Whatever the schedule, refuse at the first training batch, before any step, what filtering would fail on later"
     self._checked = True
     _apply(lambda t: t, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
@@ -259,7 +264,7 @@ def before_batch(self:LossFilterCallback):
     self.n_seen += bs
     idxs = None
     active = self.is_active()
-    if not self._checked: self._check_first_batch(bs, active)
+    if not self._checked: self._check_first_batch(active)
     if active:
         losses, scores = self.score_batch()
         idxs = self.select(scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted by length
