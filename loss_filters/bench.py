@@ -14,7 +14,7 @@ from fastai.callback.progress import ProgressCallback   # also patches `Learner.
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
 from .callback import *
-from .stale import StaleLossPruningCallback
+from .stale import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback
 from .controls import RandomPruningCallback, RandomBatchCallback
 from .data import load_dls, simple_cnn, simple_mlp, CropFlip
 from .models import WideResNet
@@ -30,6 +30,7 @@ _gn = dict(score='grad_norm')
 METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(SelectiveBackpropCallback, {}),
                stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
                sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn),
+               hide=(HideLearnedCallback, {}),
                random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
 
@@ -311,7 +312,7 @@ def matched_control(spec:str, runs:list) -> str|None:
     _, cls, kw, _ = parse_method(spec)
     if cls is None or issubclass(cls, (RandomPruningCallback, RandomBatchCallback)): return None
     rs, cb = [r for r in runs if r['method'] == spec], cls(**kw)
-    if isinstance(cb, StaleLossPruningCallback):   # the share of the data in its pruned epochs
+    if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
         shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
         return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}" if shares else None
     shares = [k for r in rs for _, k in r['kept']]   # the share of each batch it filtered, on its own schedule
@@ -417,7 +418,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         run_all(budget_runs + list(dict.fromkeys(c for c in control_of.values() if c not in specs)), 'control, ')
     rows, tgt = summarise(runs, target, target_drop)
     add_verdicts(rows, budget_runs, control_of, seeds)
-    scored = [s for s in specs if (c := parse_method(s)[1]) is not None and c.select is not LossFilterCallback.select]
+    scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)
+              and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of), n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
                seed=seed, repeats=repeats, evals_per_epoch=evals_per_epoch, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),

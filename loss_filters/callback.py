@@ -20,8 +20,8 @@ from .core import *
 from .core import _acc_dtype
 
 # %% auto #0
-__all__ = ['frozen_norm_stats', 'downsample', 'plain', 'take', 'LossFilterCallback', 'LossFilterColumns', 'BatchPool',
-           'SelectiveBackpropCallback', 'BatchLossFilterCallback']
+__all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'plain', 'take', 'LossFilterBase', 'LossFilterCallback',
+           'LossFilterColumns', 'BatchPool', 'SelectiveBackpropCallback', 'BatchLossFilterCallback']
 
 # %% ../nbs/01_callback.ipynb #a916e4ff
 @contextmanager
@@ -74,39 +74,17 @@ def take(b:tuple, idxs:Tensor) -> tuple:
     return _apply(lambda t: _index(t, idxs if idxs.device == t.device else idxs.to(t.device)), tuple(b))
 
 # %% ../nbs/01_callback.ipynb #d921bfeb
-class LossFilterCallback(Callback):
-    "Score each training batch without gradients and train only on the examples `select` keeps"
+class LossFilterBase(Callback):
+    "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
     order,run_valid = MixHandler.order-1,False
     name = 'loss_filter' # `learn.loss_filter`; a class-derived name would shadow the `Learner.batch_loss_filter` patch
-    def __init__(self,
-                 start:float=0., # fraction of training at which filtering starts, in [0, 1]
-                 end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
-                 interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
-                 scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
-                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered
-                 fill_batch:bool=False, # pool kept examples and train only on full batches
-                 score:str='loss'): # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
-        check_schedule(start, end, interrupt)
-        check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
-        if isinstance(skip_epochs, bool) or not isinstance(skip_epochs, int) or skip_epochs < 0:
-            raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
-        check_score(score)
-        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score')
-        self.scoring = False   # True while the other callbacks' `after_pred` see the scoring pass's output
-        self._pred_cbs = []    # those callbacks, found at `before_fit`
+    def __init__(self, score:str='loss'): # what is ranked: 'loss' or 'grad_norm' (at the model's output)
+        self.score = check_score(score)
+        self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
 
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
     _local_sums = ('n_seen', 'n_kept', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
-
-    def select(self, scores:Tensor) -> Tensor:
-        "Indices of the examples to train on, from their per-example `scores`"
-        raise NotImplementedError
-
-    def is_active(self) -> bool:
-        "Whether this training batch is filtered"
-        learn = self.learn
-        return learn.epoch >= self.skip_epochs and should_select(learn.pct_train, learn.iter, self.start, self.end, self.interrupt)
 
     _hot = frozenset(('n_seen', 'n_kept', 'n_scored', '_plain_step', 'scoring'))
     def __setattr__(self, name, value):
@@ -125,11 +103,43 @@ class LossFilterCallback(Callback):
         self.__dict__['_learn'] = learn
         if learn is not None: self._join(learn)
 
+PRECISIONS = dict(full=None, bf16=torch.bfloat16, fp16=torch.float16)   # `score_precision` -> autocast dtype
+
+class LossFilterCallback(LossFilterBase):
+    "Score each training batch without gradients and train only on the examples `select` keeps"
+    def __init__(self,
+                 start:float=0., # fraction of training at which filtering starts, in [0, 1]
+                 end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
+                 interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
+                 scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
+                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered
+                 fill_batch:bool=False, # pool kept examples and train only on full batches
+                 score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
+                 score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+        check_schedule(start, end, interrupt)
+        check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
+        if isinstance(skip_epochs, bool) or not isinstance(skip_epochs, int) or skip_epochs < 0:
+            raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
+        if score_precision not in PRECISIONS:
+            raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
+        super().__init__(score=score)
+        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision')
+        self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
+
+    def select(self, scores:Tensor) -> Tensor:
+        "Indices of the examples to train on, from their per-example `scores`"
+        raise NotImplementedError
+
+    def is_active(self) -> bool:
+        "Whether this training batch is filtered"
+        learn = self.learn
+        return learn.epoch >= self.skip_epochs and should_select(learn.pct_train, learn.iter, self.start, self.end, self.interrupt)
+
 class LossFilterColumns(Callback):
     "The filter's columns in the fit table: named after the `Recorder` names its own, filled after validation"
     order,name = Recorder.order+1,'loss_filter_columns'
     names = ('samp_perc', 'loss_perc', 'full_train_loss')
-    def __init__(self, filt:LossFilterCallback): self.filt = filt
+    def __init__(self, filt:LossFilterBase): self.filt = filt
 
     def before_fit(self):
         self.shown = self.filt.run and hasattr(self.learn, 'recorder')
@@ -149,33 +159,37 @@ class LossFilterColumns(Callback):
 
 # %% ../nbs/01_callback.ipynb #5ee9dbe7
 @patch
-def _join(self:LossFilterCallback, learn:Learner):
+def _join(self:LossFilterBase, learn:Learner):
     "Bring the columns along: they need an order of their own, after the `Recorder`'s"
     if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
     if self.columns not in learn.cbs: learn.add_cb(self.columns)
 
 @patch
-def _leave(self:LossFilterCallback, learn:Learner):
+def _leave(self:LossFilterBase, learn:Learner):
     "Give `learn` back as it was before the filter joined, however its last fit ended"
     self._restore()
     if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
 
 @patch
-def _restore(self:LossFilterCallback):
+def _restore(self:LossFilterBase):
     "Undo what a fit changed outside the callback (the batch filters change nothing there)"
 
 @patch
-def before_fit(self:LossFilterCallback):
+def before_fit(self:LossFilterBase):
     self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
     self._restore()   # a fit that died by an exception ran no `after_fit`
     self.fit_trained, self._checked, self.scoring = False, False, False
     if not self.run: return
-    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterCallback) and cb is not self]
+    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]
     if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
     check_per_sample(self.learn.loss_func)
     if dist_world()[1] > 1: self._check_distributed()
     self.score_func, self._fresh = self.learn.loss_func, True
-    self._find_fit_parts()
+
+@patch
+def before_fit(self:LossFilterCallback):
+    LossFilterBase.before_fit(self)
+    if self.run: self._find_fit_parts()
 
 @patch
 def _find_fit_parts(self:LossFilterCallback):
@@ -184,12 +198,13 @@ def _find_fit_parts(self:LossFilterCallback):
                       and getattr(type(cb), 'after_pred', None) is not None]
     self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
     self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    self._device_type = next(self.learn.model.parameters()).device.type
 
 @patch
-def _check_distributed(self:LossFilterCallback):
+def _check_distributed(self:LossFilterBase):
     "Refuse what would let the ranks step at different batches: where the kept count depends on the data, it differs by rank"
     if self.same_count: return
-    if self.fill_batch:
+    if getattr(self, 'fill_batch', False):
         raise ValueError(f"{type(self).__name__} with `fill_batch=True` cannot run with several processes: its kept count depends "
                          "on each rank's data, so the ranks would skip different steps and DistributedDataParallel would "
                          "wait forever for the missing gradients")
@@ -198,23 +213,23 @@ def _check_distributed(self:LossFilterCallback):
                          "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
 
 @patch
-def _new_records(self:LossFilterCallback):
+def _new_records(self:LossFilterBase):
     "Empty per-batch and per-epoch records and score histogram, made at a fit's first training epoch"
     self.stats, self.epoch_stats, self._warned = L(), L(), False
     self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
 
 @patch
-def after_fit(self:LossFilterCallback): self._restore()
+def after_fit(self:LossFilterBase): self._restore()
 
 # %% ../nbs/01_callback.ipynb #47cce76e
 @patch
-def before_train(self:LossFilterCallback):
+def before_train(self:LossFilterBase):
     if self._fresh: self._new_records()   # not in `before_fit`: `learn.validate()` would wipe the last fit's records
     self._fresh, self.fit_trained = False, True
     self._new_epoch()
 
 @patch
-def _new_epoch(self:LossFilterCallback):
+def _new_epoch(self:LossFilterBase):
     "Zero the epoch's counts and sums"
     self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
@@ -241,11 +256,19 @@ def _as_loss_sees(self:LossFilterCallback, pred):
         else: d['pred'] = old
 
 @patch
+def _autocast(self:LossFilterCallback):
+    "The scoring pass's precision: `MixedPrecision`'s own autocast when the Learner has it, else `score_precision`'s"
+    mp, dtype = getattr(self, '_mp', None), PRECISIONS[self.score_precision]
+    if getattr(mp, 'autocast', None) is not None: return mp.autocast
+    if dtype is None: return nullcontext()
+    return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
+
+@patch
 def score_batch(self:LossFilterCallback) -> tuple:
     "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace"
     learn = self.learn
-    mp, model = getattr(self, '_mp', None), _unwrap(learn.model)
-    with torch.no_grad(), getattr(mp, 'autocast', None) or nullcontext(), frozen_norm_stats(model, getattr(self, '_norms', None)):
+    model = _unwrap(learn.model)
+    with torch.no_grad(), self._autocast(), frozen_norm_stats(model, getattr(self, '_norms', None)):
         pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
         losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
     return plain(losses).float(), plain(scores).float()
@@ -289,7 +312,7 @@ def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, 
 def _segment_sum(values:Tensor, seg:Tensor, n:int) -> Tensor: return values.new_zeros(n).index_add_(0, seg, values)
 
 @patch
-def _fold_epoch(self:LossFilterCallback):
+def _fold_epoch(self:LossFilterBase):
     "The epoch's sums, per-batch records and histogram rows from the kept batch tensors, on their device, in one pass"
     if self._plain_losses:
         ls, ns = zip(*self._plain_losses)
@@ -350,7 +373,7 @@ def _fill(self:LossFilterCallback, idxs:Tensor|None):
 
 # %% ../nbs/01_callback.ipynb #e12282a9
 @patch
-def _reduce_sums(self:LossFilterCallback):
+def _reduce_sums(self:LossFilterBase):
     "Sum the epoch's counts over all ranks, in one collective (nothing to do with one process)"
     if dist_world()[1] == 1: return
     names = self._local_sums
@@ -358,7 +381,7 @@ def _reduce_sums(self:LossFilterCallback):
     for k, v in zip(names, tot.tolist()): setattr(self, k, v)
 
 @patch
-def after_train(self:LossFilterCallback):
+def after_train(self:LossFilterBase):
     self._fold_epoch()
     self._reduce_sums()
     scored = float(self._loss_scored)
@@ -372,11 +395,11 @@ def after_train(self:LossFilterCallback):
         warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite {self.score} this epoch; they were kept as the hardest")
 
 @patch
-def _samp_perc(self:LossFilterCallback): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
+def _samp_perc(self:LossFilterBase): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
 @patch
-def _loss_perc(self:LossFilterCallback): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
+def _loss_perc(self:LossFilterBase): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
 @patch
-def _full_loss(self:LossFilterCallback): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
+def _full_loss(self:LossFilterBase): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
 
 # %% ../nbs/01_callback.ipynb #e58e470b
 def _axes(ax):
@@ -387,11 +410,11 @@ def _note_if_empty(ax, empty:bool, what='no batch filtered yet'):
     if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
 
 @patch
-def _epoch_lines(self:LossFilterCallback, ax):
+def _epoch_lines(self:LossFilterBase, ax):
     for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
 
 @patch
-def _per_batch(self:LossFilterCallback, ax, ys:list, ylabel:str, title:str):
+def _per_batch(self:LossFilterBase, ax, ys:list, ylabel:str, title:str):
     stats = L(getattr(self, 'stats', []))
     ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
     self._epoch_lines(ax)
@@ -400,20 +423,20 @@ def _per_batch(self:LossFilterCallback, ax, ys:list, ylabel:str, title:str):
     return ax.figure
 
 @patch
-def plot_kept(self:LossFilterCallback, ax=None):
+def plot_kept(self:LossFilterBase, ax=None):
     "Share of each filtered batch that was kept for the backward pass, over training iterations"
     stats = L(getattr(self, 'stats', []))
     return self._per_batch(_axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
 
 @patch
-def plot_loss_share(self:LossFilterCallback, ax=None):
+def plot_loss_share(self:LossFilterBase, ax=None):
     "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
     stats = L(getattr(self, 'stats', []))
     return self._per_batch(_axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
 
 # %% ../nbs/01_callback.ipynb #13eb0110
 @patch
-def plot_score_hist(self:LossFilterCallback, axs=None):
+def plot_score_hist(self:LossFilterBase, axs=None):
     "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
     from matplotlib.colors import LogNorm
     import matplotlib.pyplot as plt
@@ -435,7 +458,7 @@ def plot_score_hist(self:LossFilterCallback, axs=None):
     return axs[0].figure
 
 @patch
-def plot_diagnostics(self:LossFilterCallback):
+def plot_diagnostics(self:LossFilterBase):
     "Samples kept and score share kept per batch, and the score histogram heat maps, in one figure"
     import matplotlib.pyplot as plt
     fig = plt.figure(figsize=(12, 7), layout='constrained')
@@ -457,9 +480,11 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  interrupt:int=2, # a plain step every `interrupt` batches; 0 for never
                  scale_factor:float=1., # downsampling of image inputs for the scoring pass, in (0, 1]
                  fill_batch:bool=False, # pool kept examples and train only on full batches, as in the paper
-                 score:str='loss'): # rank by 'loss' or by 'grad_norm' at the model's output
+                 score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
+                 score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
         check_range('keep', keep, 0, 1, lo_open=True)
-        super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score)
+        super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
+                         score_precision=score_precision)
         self.keep = keep
 
     def is_active(self): return self.keep < 1 and super().is_active()
@@ -472,7 +497,7 @@ class BatchLossFilterCallback(LossFilterCallback):
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
                  min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in [0, 1]
                  skip_epochs:int=1, # like the original, leave the first epoch unfiltered
-                 **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score` of `LossFilterCallback`
+                 **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score`, `score_precision` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
         check_range('min_loss_perc', min_loss_perc, 0, 1)
         super().__init__(skip_epochs=skip_epochs, **kwargs)
@@ -481,8 +506,8 @@ class BatchLossFilterCallback(LossFilterCallback):
 
 # %% ../nbs/01_callback.ipynb #255d746b
 @patch
-def _set_loss_filter(self:Learner, cb:LossFilterCallback):
-    self.remove_cbs(self.cbs.filter(lambda o: isinstance(o, LossFilterCallback)))
+def _set_loss_filter(self:Learner, cb:LossFilterBase):
+    self.remove_cbs(self.cbs.filter(lambda o: isinstance(o, LossFilterBase)))
     return self.add_cb(cb)
 
 @patch
@@ -493,7 +518,7 @@ def batch_loss_filter(self:Learner, min_sample_perc:float=0., min_loss_perc:floa
 
 @patch
 def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, scale_factor:float=1.,
-                       fill_batch:bool=False, score:str='loss'):
+                       fill_batch:bool=False, score:str='loss', score_precision:str='full'):
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
-    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch, score)
+    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch, score, score_precision)
     return self._set_loss_filter(cb)

@@ -7,26 +7,22 @@ from __future__ import annotations
 import torch
 from .core import check_range, prune_at_random, select_at_random
 from .callback import LossFilterCallback
-from .stale import StaleLossPruningCallback
+from .stale import SamplerPruningCallback
 
 # %% auto #0
 __all__ = ['RandomPruningCallback', 'RandomBatchCallback']
 
 # %% ../nbs/06_controls.ipynb #c0a1b2c8
-class RandomPruningCallback(StaleLossPruningCallback):
+class RandomPruningCallback(SamplerPruningCallback):
     "Control for sampler-level pruning: each pruned epoch trains on a uniformly random share `keep` of the data"
     def __init__(self,
                  keep:float=.7, # share of the dataset in each pruned epoch, in (0, 1]
                  anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
         check_range('keep', keep, 0, 1, lo_open=True)
-        super().__init__(prune=0., anneal=anneal)   # `prune=0`: no loss weights, the rest is stale pruning's path
+        super().__init__(anneal=anneal)
         self.keep = keep
 
-    def _epoch_keep(self, full:bool) -> tuple:
-        "All the data in a full epoch, else a random share `keep`; every weight 1"
-        t = self.table
-        keep = torch.ones_like(t, dtype=torch.bool) if full else prune_at_random(len(t), self.keep, self.gen, t.device)
-        return keep, torch.ones_like(t)
+    def epoch_keep(self): return prune_at_random(len(self.table), self.keep, self.gen, self.table.device), None
 
 # %% ../nbs/06_controls.ipynb #c0a1b2c9
 class RandomBatchCallback(LossFilterCallback):

@@ -11,8 +11,8 @@ from torch import nn, Tensor
 # %% auto #0
 __all__ = ['SCORES', 'check_range', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm', 'per_sample_grad_norm',
            'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank', 'select_by_loss_share',
-           'prune_by_stale_loss', 'prune_at_random', 'select_at_random', 'check_schedule', 'should_select',
-           'dist_world', 'all_reduce_sum']
+           'prune_by_stale_loss', 'hide_learned', 'prune_at_random', 'select_at_random', 'check_schedule',
+           'should_select', 'dist_world', 'all_reduce_sum']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -264,6 +264,20 @@ def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of
     keep[low_idx[torch.randperm(len(low_idx), device=losses.device, generator=generator)[:n_prune]]] = False
     weights[low & keep] = 1 / (1 - prune)
     return keep, weights
+
+def hide_learned(losses:Tensor, # the last known loss of every example of the dataset, NaN where unknown
+                 max_hide:float=.3, # most of the dataset hidden, as a share, in [0, 1)
+                 max_loss:float=.1 # only examples whose loss is at most this are hidden, >= 0
+                ) -> Tensor: # `keep`: bool mask, False for the hidden examples
+    "KAKURENBO-style hiding: the lowest-loss known examples at or below `max_loss`, at most `floor(max_hide*n)` of them"
+    _check_losses(losses)
+    check_range('max_hide', max_hide, 0, 1, hi_open=True)
+    if not max_loss >= 0: raise ValueError(f"`max_loss` must be >= 0, got {max_loss!r}")
+    keep = torch.ones_like(losses, dtype=torch.bool)
+    easy = (losses <= max_loss).nonzero().squeeze(1)   # NaN compares False: an unknown example is never hidden
+    k = min(len(easy), int(max_hide * len(losses)))
+    keep[easy[losses[easy].argsort(stable=True)[:k]]] = False
+    return keep
 
 def prune_at_random(n:int, # examples in the dataset
                     keep:float, # share of them to keep, in (0, 1]

@@ -4,39 +4,54 @@
 
 # %% ../nbs/05_stale.ipynb #929480ab
 from __future__ import annotations
-import itertools, torch
+import itertools, math, torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
 from fastai.learner import Learner
 from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
-from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, check_range, dist_world, all_reduce_sum
-from .callback import LossFilterCallback, plain
+from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, check_range, dist_world, all_reduce_sum
+from .callback import LossFilterBase, plain
 
 # %% auto #0
-__all__ = ['StaleLossPruningCallback', 'rank_share', 'anneals']
+__all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'anneals', 'HideLearnedCallback']
 
 # %% ../nbs/05_stale.ipynb #d83c4f1e
-class StaleLossPruningCallback(LossFilterCallback):
-    "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean"
+class SamplerPruningCallback(LossFilterBase):
+    "Base of the sampler-level pruners: before each epoch `epoch_keep` picks the examples the epoch trains on; no scoring pass"
+    def __init__(self,
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 score:str='loss'): # what each step records per example: 'loss' or 'grad_norm' at the model's output
+        check_range('anneal', anneal, 0, 1)
+        super().__init__(score=score)
+        self.anneal = anneal
+
+    def epoch_keep(self) -> tuple:
+        "The policy: `(keep, weights)` for a pruned epoch, a bool mask over the dataset and per-example loss weights (or None)"
+        raise NotImplementedError
+
+    _local_sums = ('_loss_sum', '_n_loss')   # the other counts come from the shared table: the same on every rank
+    same_count = True   # every rank trains equal batches
+    _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
+
+class StaleLossPruningCallback(SamplerPruningCallback):
+    "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean (InfoBatch's rule)"
     def __init__(self,
                  prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  score:str='loss'): # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
         check_range('prune', prune, 0, 1, hi_open=True)
-        check_range('anneal', anneal, 0, 1)
-        super().__init__(score=score)
-        store_attr('prune,anneal')
+        super().__init__(anneal=anneal, score=score)
+        self.prune = prune
 
-    def is_active(self): return False   # no scoring pass: this filter acts at the sampler
-    _local_sums = ('_loss_sum', '_n_loss')   # the other counts come from the shared table: the same on every rank
-    same_count = True   # every rank trains equal batches
-    _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
+    def epoch_keep(self):
+        keep, w = prune_by_stale_loss(self.table, self.prune, generator=self.gen)
+        return keep, (w if self.prune > 0 else None)
 
 # %% ../nbs/05_stale.ipynb #40d21a6b
 @patch
-def before_fit(self:StaleLossPruningCallback):
-    LossFilterCallback.before_fit(self)   # gives the loader back its own order first, if a fit died with it changed
+def before_fit(self:SamplerPruningCallback):
+    LossFilterBase.before_fit(self)   # gives the loader back its own order first, if a fit died with it changed
     if not self.run: return
     dl = self.dls.train
     inner = dl.dl if _is_distributed_dl(dl) else dl
@@ -49,9 +64,9 @@ def before_fit(self:StaleLossPruningCallback):
         raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
 
 @patch
-def _new_records(self:StaleLossPruningCallback):
+def _new_records(self:SamplerPruningCallback):
     "Also an empty score table (NaN: not known yet) and the generator of the pruning draws, at a fit's first epoch"
-    LossFilterCallback._new_records(self)
+    LossFilterBase._new_records(self)
     dev = next(self.model.parameters()).device
     self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=dev)
     seed = torch.randint(2**62, (), dtype=torch.int64)                     # from the global RNG: `set_seed` reproduces it
@@ -61,7 +76,7 @@ def _new_records(self:StaleLossPruningCallback):
 _epoch_attrs = ('get_idxs', 'chunkify', 'sample')   # what an epoch sets on the loader instance, over its class's methods
 
 @patch
-def _restore(self:StaleLossPruningCallback):
+def _restore(self:SamplerPruningCallback):
     "Give the training loader back its own order, batching and length"
     saved = getattr(self, '_saved', None)
     if saved is None: return
@@ -111,7 +126,7 @@ def anneals(epoch:int, # the epoch, from 0
     return epoch >= n_epoch * (1 - anneal) - 1e-9   # the tolerance absorbs rounding: 9 * (1 - 1/3) is 6.000000000000001
 
 @patch
-def _epoch_batches(self:StaleLossPruningCallback, inner, keep:Tensor) -> tuple:
+def _epoch_batches(self:SamplerPruningCallback, inner, keep:Tensor) -> tuple:
     "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting)"
     own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)
     if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
@@ -126,17 +141,12 @@ def _epoch_batches(self:StaleLossPruningCallback, inner, keep:Tensor) -> tuple:
     return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
 
 @patch
-def _epoch_keep(self:StaleLossPruningCallback, full:bool) -> tuple:
-    "The epoch's `(keep mask, loss weights)` over the dataset: the policy of a sampler-level pruner (here InfoBatch's rule)"
-    return prune_by_stale_loss(self.table, 0. if full else self.prune, generator=self.gen)
-
-@patch
-def before_train(self:StaleLossPruningCallback):
-    LossFilterCallback.before_train(self)
+def before_train(self:SamplerPruningCallback):
+    LossFilterBase.before_train(self)
     dl, n = self.dls.train, len(self.table)
     inner = dl.dl if _is_distributed_dl(dl) else dl
     full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
-    keep, self.weights = self._epoch_keep(full)
+    keep, self.weights = (torch.ones_like(self.table, dtype=torch.bool), None) if full else self.epoch_keep()
     self.epoch_order, sizes = self._epoch_batches(inner, keep)
     rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
     self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last).to(keep.device)
@@ -154,14 +164,11 @@ def before_train(self:StaleLossPruningCallback):
     if not full and known.any():
         self.n_scored = int(known.sum())
         self._loss_scored, self._loss_kept = self.table[known].sum(), self.table[known & keep].sum()
-    self.weighted = not full and self.prune > 0
-
-@patch
-def before_batch(self:StaleLossPruningCallback): pass
+    self.weighted = self.weights is not None
 
 # %% ../nbs/05_stale.ipynb #b2aad269
 @patch
-def after_loss(self:StaleLossPruningCallback):
+def after_loss(self:SamplerPruningCallback):
     idx = self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
     pred, yb = plain(self.learn.pred), plain(self.learn.yb)   # no fastai type dispatch in the bookkeeping
     losses = per_sample_loss(self.score_func, pred, *yb)
@@ -177,20 +184,20 @@ def after_loss(self:StaleLossPruningCallback):
         self.learn.loss_grad = reduce(losses * w)
 
 @patch
-def _share_table(self:StaleLossPruningCallback):
+def _share_table(self:SamplerPruningCallback):
     "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
     if dist_world()[1] == 1: return
     sums = all_reduce_sum(torch.stack([torch.where(self.trained, self.table, 0.), self.trained.float()]))
     self.table = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), self.table)
 
 @patch
-def after_train(self:StaleLossPruningCallback):
+def after_train(self:SamplerPruningCallback):
     self._restore()
     self._share_table()
-    LossFilterCallback.after_train(self)
+    LossFilterBase.after_train(self)
 
 @patch
-def after_cancel_epoch(self:StaleLossPruningCallback):
+def after_cancel_epoch(self:SamplerPruningCallback):
     "`CancelEpochException` skips `after_train`: restore the loader and share the scores, so the ranks' tables stay alike"
     if getattr(self, '_saved', None) is None: return   # cancelled in validation: `after_train` has run
     self._restore()
@@ -198,7 +205,7 @@ def after_cancel_epoch(self:StaleLossPruningCallback):
 
 # %% ../nbs/05_stale.ipynb #644a662b
 @patch
-def plot_kept(self:StaleLossPruningCallback, ax=None):
+def plot_kept(self:SamplerPruningCallback, ax=None):
     "Share of the training set in each epoch"
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
@@ -211,3 +218,39 @@ def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:st
     "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
     cb = StaleLossPruningCallback(prune, anneal, score)
     return self._set_loss_filter(cb)
+
+# %% ../nbs/05_stale.ipynb #f3a1c2d5
+class HideLearnedCallback(SamplerPruningCallback):
+    "Each epoch, hide up to `max_hide` of the data: the examples learned with `confidence`, lowest loss first (KAKURENBO's idea)"
+    def __init__(self,
+                 max_hide:float=.3, # most of the dataset hidden in an epoch, as a share, in [0, 1)
+                 confidence:float=.9, # hide only examples whose last loss is at most `-log(confidence)`, in (0, 1]
+                 lr_scale:bool=True, # in a pruned epoch, raise the learning rate by `n/kept` for its fewer steps
+                 anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+        check_range('max_hide', max_hide, 0, 1, hi_open=True)
+        check_range('confidence', confidence, 0, 1, lo_open=True)
+        super().__init__(anneal=anneal)
+        store_attr('max_hide,confidence,lr_scale')
+
+    def _new_records(self):
+        super()._new_records()
+        self.hidden = torch.zeros_like(self.table, dtype=torch.bool)
+
+    def epoch_keep(self):
+        "Hide the most confidently learned examples; one hidden in the last epoch waits for a fresh loss before it hides again"
+        keep = hide_learned(self.table.masked_fill(self.hidden, math.nan), self.max_hide, -math.log(self.confidence))
+        self.hidden = ~keep
+        return keep, None
+
+    def before_step(self):
+        if self.lr_scale and self.n_kept < self.n_seen:
+            self._lrs = [h['lr'] for h in self.opt.hypers]
+            self.opt.set_hyper('lr', [lr * self.n_seen / self.n_kept for lr in self._lrs])
+    def after_step(self): self._lr_back()
+    def _lr_back(self):
+        "The scheduled learning rates back in the optimiser"
+        lrs, self._lrs = getattr(self, '_lrs', None), None
+        if lrs is not None: self.opt.set_hyper('lr', lrs)
+    def _restore(self):
+        super()._restore()
+        self._lr_back()
