@@ -164,7 +164,6 @@ def before_train(self:SamplerPruningCallback):
     if not full and known.any():
         self.n_scored = int(known.sum())
         self._loss_scored, self._loss_kept = self.table[known].sum(), self.table[known & keep].sum()
-    self.weighted = self.weights is not None
 
 # %% ../nbs/05_stale.ipynb #b2aad269
 @patch
@@ -178,7 +177,7 @@ def after_loss(self:SamplerPruningCallback):
     self.table[idx], self.trained[idx] = scores, True
     self.hist.add(scores, self.train_iter)
     self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
-    if self.weighted:
+    if self.weights is not None:   # the policy's loss weights for this epoch
         w = self.weights[idx].to(losses.dtype)
         reduce = torch.sum if getattr(self.score_func, 'reduction', 'mean') == 'sum' else torch.mean
         self.learn.loss_grad = reduce(losses * w)
