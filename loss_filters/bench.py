@@ -4,12 +4,12 @@
 
 # %% ../nbs/03_bench.ipynb #e924eed7
 from __future__ import annotations
-import functools, json, math, platform, random, statistics, time
+import functools, json, math, platform, random, statistics, sys, time
 from pathlib import Path
 import torch
 from torch import nn
 from fastcore.script import call_parse
-from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
@@ -21,9 +21,10 @@ from .models import WideResNet
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'PRESETS', 'MODELS', 'RUN_SETTINGS', 'make_model', 'parse_method', 'valid_accuracy',
-           'EpochClock', 'run_method', 'time_to_target', 'summarise', 'format_table', 'plot_results',
-           'plain_step_seconds', 'profile_step', 'budget_specs', 'matched_control', 'add_verdicts', 'plot_budget',
-           'lf_bench', 'main']
+           'fit_scored', 'EpochClock', 'plain_epoch_examples', 'lr_multiplier', 'run_method', 'time_to_target',
+           'add_work', 'summarise', 'format_table', 'plot_results', 'plain_step_seconds', 'measure_score_cost',
+           'profile_step', 'budget_specs', 'matched_control', 'rate_control', 'best_plain', 'add_verdicts',
+           'plot_budget', 'verdict_lines', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 _gn = dict(score='grad_norm')
@@ -36,8 +37,10 @@ DEFAULT_METHODS = 'baseline blf sb stale'
 
 # `quick`: `make bench`, minutes. `long`: the regime the recipes are published for (augmentation, a schedule long enough
 # for the baseline to plateau), with both controls beside every method.
-PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False),
-               long=dict(epochs=20, evals_per_epoch=2, augment=True, controls=True))
+PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, n_train=None, n_valid=None,
+                          methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
+               long=dict(epochs=20, evals_per_epoch=2, augment=True, controls=True, lr=3e-3, n_train=10_000, n_valid=5_000,
+                         methods=DEFAULT_METHODS + ' hide', budgets='.5 .7 .85'))
 
 MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
               mlp=lambda x, c: simple_mlp(n_in=x[0].numel(), n_out=c),      # a cheap model: the filters' fixed costs show
@@ -54,7 +57,7 @@ def _value(s:str):
         except ValueError: pass
     return s
 
-RUN_SETTINGS = ('epochs',)   # settings of the run, not of a callback: allowed on every method, the baseline too
+RUN_SETTINGS = ('epochs', 'lr_mult')   # settings of the run, not of a callback: allowed on every method, the baseline too
 
 def parse_method(spec:str) -> tuple:
     "`'sb:keep=.3,epochs=4'` -> `('sb:keep=.3,epochs=4', SelectiveBackpropCallback, {'keep': .3}, {'epochs': 4})`"
@@ -65,6 +68,8 @@ def parse_method(spec:str) -> tuple:
     run = {k: kw.pop(k) for k in RUN_SETTINGS if k in kw}
     if not isinstance(run.get('epochs', 1), int) or run.get('epochs', 1) < 1:
         raise ValueError(f"`epochs` in method {spec!r} must be an integer >= 1, got {run['epochs']!r}")
+    if not isinstance(run.get('lr_mult', 1), (int, float)) or not run.get('lr_mult', 1) > 0:
+        raise ValueError(f"`lr_mult` in method {spec!r} must be a number > 0, got {run['lr_mult']!r}")
     if cls is None and kw: raise ValueError(f"`{name}` takes no settings but {', '.join(RUN_SETTINGS)}, got {kw}")
     kw = {**defaults, **kw}
     if cls is not None: cls(**kw)   # bad settings fail now, not after the baseline has trained
@@ -84,13 +89,27 @@ def valid_accuracy(model, dl) -> float:
     finally: model.train(was); random.setstate(state)
     return float(correct) / n
 
+def fit_scored(learn) -> int:
+    "Examples that went through the Learner's loss filter's scoring pass in this fit (0 without a scoring pass)"
+    return getattr(getattr(learn, 'loss_filter', None), 'fit_scored', 0)
+
 class EpochClock(Callback):
-    "Training seconds, fit seconds and validation results at every epoch end (and `evals_per_epoch - 1` times inside)"
+    "Training seconds, work and validation results at every epoch end (and `evals_per_epoch - 1` times inside)"
     order = 70   # after the Recorder has the epoch's values
     def __init__(self, evals_per_epoch:int=1): self.evals_per_epoch = evals_per_epoch
-    def before_fit(self): self.train_s, self.t_fit, self.history = 0., time.perf_counter(), []
+    def before_fit(self): self.train_s, self.t_fit, self.history, self.lrs, self.__dict__['trained'] = 0., time.perf_counter(), [], [], 0
     def before_train(self): _sync(); self.t0 = time.perf_counter()
     def after_train(self): _sync(); self.train_s += time.perf_counter() - self.t0
+    def after_loss(self):
+        "Count the examples of every training step (a batch a filter cancels never gets here)"
+        if self.training: self.__dict__['trained'] += find_bs(self.learn.yb)   # past `Callback.__setattr__`: per batch
+    def _work(self) -> dict: return dict(trained=self.trained, scored=fit_scored(self.learn))
+    def before_step(self):
+        "The rate this step really uses (after any raise a filter applies before the step)"
+        self.__dict__['_lr_used'] = self.learn.opt.hypers[-1]['lr']
+    def after_step(self):
+        "... and the scheduled one, which a filter that raised it has put back by now"
+        self.lrs.append((self.learn.train_iter, self._lr_used, self.learn.opt.hypers[-1]['lr']))
     def after_batch(self):
         if not self.training or self.evals_per_epoch < 2: return
         k, n = self.evals_per_epoch, self.n_iter
@@ -98,22 +117,30 @@ class EpochClock(Callback):
         _sync(); self.train_s += time.perf_counter() - self.t0
         acc = valid_accuracy(self.learn.model, self.dls.valid)
         self.history.append(dict(epoch=self.epoch + (self.iter + 1) / n, train_s=self.train_s,
-                                 wall_s=time.perf_counter() - self.t_fit, accuracy=acc, valid_loss=None, samp_perc=None))
+                                 wall_s=time.perf_counter() - self.t_fit, accuracy=acc, valid_loss=None, samp_perc=None, **self._work()))
         _sync(); self.t0 = time.perf_counter()
     def after_epoch(self):
         rec = dict(zip(self.recorder.metric_names[1:], self.recorder.values[-1]))
         self.history.append(dict(epoch=self.epoch + 1, train_s=self.train_s, wall_s=time.perf_counter() - self.t_fit,
                                  accuracy=rec.get('accuracy'), valid_loss=rec.get('valid_loss'),
-                                 samp_perc=rec.get('samp_perc', 1.)))
+                                 samp_perc=rec.get('samp_perc', 1.), **self._work()))
 
 # %% ../nbs/03_bench.ipynb #5a924cac
 def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_' for c in spec)
 
+def plain_epoch_examples(dl) -> int:
+    "Examples one plain epoch of the training loader `dl` trains on: its whole length, less a dropped last part-batch"
+    return dl.n // dl.bs * dl.bs if dl.drop_last else dl.n
+
+def lr_multiplier(lrs:list) -> float:
+    "Mean over training steps of the rate a step used over the scheduled rate: 1 for a method that leaves the rate alone"
+    return statistics.fmean(u / s for _, u, s in lrs if s > 0) if lrs else 1.
+
 def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str='cnn', show_progress:bool=True,
                diag:Path|None=None, evals_per_epoch:int=1) -> dict:
-    "Train one method from `seed` and return its timings, history and kept shares"
+    "Train one method from `seed` and return its timings, work, history and kept shares"
     name, cb_cls, kw, run = parse_method(spec)
-    epochs = run.get('epochs', epochs)
+    epochs, lr = run.get('epochs', epochs), lr * run.get('lr_mult', 1)
     set_seed(seed, reproducible=True)
     for dl in dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
     clock = EpochClock(evals_per_epoch)
@@ -125,8 +152,10 @@ def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str
     h = clock.history
     filt = getattr(learn, 'loss_filter', None)
     diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(name)}.png') if diag is not None and filt is not None else None
-    return dict(diagnostics=diag, method=name, epochs=epochs, train_s=clock.train_s, wall_s=h[-1]['wall_s'], final_accuracy=h[-1]['accuracy'],
-                mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None), history=h,
+    return dict(diagnostics=diag, method=name, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
+                final_accuracy=h[-1]['accuracy'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
+                trained=h[-1]['trained'], scored=h[-1]['scored'], plain_epoch=plain_epoch_examples(dls.train),
+                lr_mult=lr_multiplier(clock.lrs), lrs=[[i, u] for i, u, _ in clock.lrs], history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
 
 # %% ../nbs/03_bench.ipynb #c7872268
@@ -138,47 +167,67 @@ def _save_diagnostics(cb, path:Path):
     return str(path)
 
 # %% ../nbs/03_bench.ipynb #83b45806
-def time_to_target(history:list, target:float) -> float|None:
-    "Training seconds at the first check whose accuracy reaches `target`, or None"
-    return next((e['train_s'] for e in history if e['accuracy'] is not None and e['accuracy'] >= target - 1e-9), None)
+def time_to_target(history:list, target:float, key:str='train_s') -> float|None:
+    "Training seconds (or another figure `key` of the history, such as `work`) at the first check whose accuracy reaches `target`, or None"
+    return next((e[key] for e in history if e['accuracy'] is not None and e['accuracy'] >= target - 1e-9), None)
+
+def add_work(run:dict, score_cost:float) -> dict:
+    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each"
+    per = lambda e: (e['trained'] + score_cost * e['scored']) / run['plain_epoch']
+    for e in run['history']: e['work'] = per(e)
+    run['work'] = per(run)
+    return run
 
 # %% ../nbs/03_bench.ipynb #632ee1d9
 def _med(xs):
     xs = [x for x in xs if x is not None]
     return (statistics.median(xs), max(xs) - min(xs)) if xs else (None, None)
 
+def _pair(r:dict): return (r.get('seed'), r.get('repeat'))
+
+def _ratio(a, b): return a / b if a is not None and b else None
+
+# (ratio, figure): each run's figure over the same seed's baseline's, `baseline / method`, so > 1 means the method is faster
+_paired = dict(target_x='target_s', total_x='train_s', work_x='work_to_target', work_total_x='work')
+
 def summarise(runs:list, target:float|None=None, target_drop:float=.002) -> tuple:
-    "Median and spread per method, time to `target`, and speedups over the baseline"
+    "Median and spread per method of every figure, time and work to `target`, and paired speedups over the same seed's baseline"
     methods = list(dict.fromkeys(r['method'] for r in runs))
     base = [r for r in runs if r['method'] == 'baseline']
     if target is None:
         if not base: raise ValueError("without a `baseline` method the `target` accuracy must be given")
         target = _med([r['final_accuracy'] for r in base])[0] - target_drop
-    for r in runs: r['target_s'] = time_to_target(r['history'], target)
+    for r in runs:
+        r['target_s'] = time_to_target(r['history'], target)
+        r['work_to_target'] = time_to_target(r['history'], target, 'work') if 'work' in r else None
+    by_seed = {_pair(r): r for r in base}
+    for r in runs:   # paired: each run against the baseline of its own seed (and repeat), run back to back with it
+        b = by_seed.get(_pair(r)) or (base[0] if base else None)
+        for k, f in _paired.items(): r[k] = _ratio(b.get(f), r.get(f)) if b else None
     rows = []
     for m in methods:
         rs = [r for r in runs if r['method'] == m]
         row = dict(method=m, epochs=rs[0]['epochs'], repeats=len(rs))
-        for k in ('train_s', 'wall_s', 'target_s', 'final_accuracy', 'mean_samp_perc'):
-            row[k], row[k + '_spread'] = _med([r[k] for r in rs])
+        for k in ('train_s', 'wall_s', 'target_s', 'final_accuracy', 'mean_samp_perc', 'work', 'work_to_target', 'lr_mult',
+                  *_paired):
+            row[k], row[k + '_spread'] = _med([r.get(k) for r in rs])
         row['reached'] = sum(r['target_s'] is not None for r in rs)
+        row['never_filtered'] = parse_method(m)[1] is not None and all(r['mean_samp_perc'] >= 1 for r in rs)
         rows.append(row)
-    b = next((r for r in rows if r['method'] == 'baseline'), None)
-    for r in rows:
-        r['target_x'] = b['target_s'] / r['target_s'] if b and b['target_s'] and r['target_s'] else None
-        r['total_x'] = b['train_s'] / r['train_s'] if b else None
     return rows, target
 
 # %% ../nbs/03_bench.ipynb #808f691a
-_cols = [('method', '{}'), ('epochs', '{}'), ('wall_s', '{:.1f}'), ('train_s', '{:.1f}'), ('target_s', '{:.1f}'),
-         ('reached', '{}'), ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x'),
-         ('vs_budget', '{}'), ('vs_random', '{}')]
+_cols = [('method', '{}'), ('epochs', '{}'), ('train_s', '{:.1f}'), ('target_s', '{:.1f}'), ('reached', '{}'),
+         ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('work', '{:.2f}'), ('work_to_target', '{:.2f}'),
+         ('work_x', '{:.2f}x'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x'), ('vs_best_plain_work_x', '{:.2f}x'),
+         ('vs_best_plain_x', '{:.2f}x'), ('vs_budget', '{}'), ('vs_random', '{}')]
 
 def format_table(rows:list) -> str:
-    "The summary as a plain-text table (medians; `±spread` over repeats where there are several; `reached`: repeats that reached the target)"
+    "The summary as a plain-text table (medians; `±spread` over seeds and repeats where there are several; `reached`: runs that reached the target)"
     def cell(r, k, f):
+        if k == 'method': return r[k] + (' [never filtered]' if r.get('never_filtered') else '')
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
-        if k.startswith('vs_'): return f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else '-'   # points of accuracy
+        if k in ('vs_budget', 'vs_random'): return f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else '-'   # points
         v = r.get(k)
         if v is None: return '-'
         s = f.format(v)
@@ -254,6 +303,19 @@ class _Cached(nn.Module):
     def __init__(self, out): super().__init__(); self.out = out
     def forward(self, *x): return self.out
 
+def measure_score_cost(dls, model:str='cnn', n:int=10, seed:int=0) -> float:
+    "What scoring an example costs in training steps on `model`: a no-grad forward (batch norm frozen) over a full training step"
+    set_seed(seed)
+    net, loss_func = make_model(model, dls).to(dls.device), CrossEntropyLossFlat()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    xb, yb = plain(dls.train.one_batch())
+    net.train()
+    def forward():
+        with torch.no_grad(), frozen_norm_stats(net): per_sample_loss(loss_func, net(xb), yb)
+    def step():
+        loss_func(net(xb), yb).backward(); opt.step(); opt.zero_grad()
+    return _timed(forward, n) / _timed(step, n)
+
 def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
     "Seconds per batch of each piece of a filtered step, and the filter's own work beside the model as a share of a plain step"
     _, cb_cls, kw, _ = parse_method(spec)
@@ -308,17 +370,27 @@ def budget_specs(epochs:int, fracs:str='.5 .6 .7 .8 .9') -> list:
     return [f'baseline:epochs={k}' for k in ks if k < epochs]
 
 def matched_control(spec:str, runs:list) -> str|None:
-    "The random control at the share `spec`'s runs really kept: `random` for a sampler pruner, `random_batch` for a batch filter"
-    _, cls, kw, _ = parse_method(spec)
+    "The random control at the share `spec`'s runs really kept, with the same rate raise: `random` for a sampler pruner, `random_batch` for a batch filter"
+    _, cls, kw, run = parse_method(spec)
     if cls is None or issubclass(cls, (RandomPruningCallback, RandomBatchCallback)): return None
     rs, cb = [r for r in runs if r['method'] == spec], cls(**kw)
+    sched = ''.join(f',{k}={v}' for k, v in run.items())   # the method's own run settings (epochs, rate)
     if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
         shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
-        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}" if shares else None
+        raise_lr = ',lr_scale=1' if getattr(cb, 'lr_scale', False) else ''
+        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}{raise_lr}{sched}" if shares else None
     shares = [k for r in rs for _, k in r['kept']]   # the share of each batch it filtered, on its own schedule
     if not shares: return None
     return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"
-            f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}")
+            f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}{sched}")
+
+def rate_control(spec:str, runs:list) -> str|None:
+    "The plain baseline at `spec`'s mean rate multiplier, for a method that changes the learning rate; None for one that does not"
+    mults = [r['lr_mult'] for r in runs if r['method'] == spec and 'lr_mult' in r]
+    m = statistics.fmean(mults) * parse_method(spec)[3].get('lr_mult', 1) if mults else 1.
+    if abs(m - 1) < 1e-3: return None
+    epochs = parse_method(spec)[3].get('epochs')
+    return f"baseline:lr_mult={m:.3f}" + (f",epochs={epochs}" if epochs else '')
 
 def _verdict(diff:float, tol:float, n_seeds:int) -> dict:
     "A difference of final accuracy smaller than the spread over seeds is no difference"
@@ -332,104 +404,173 @@ def _interp(curve:list, t:float) -> tuple:
     for (t0, a0, s0), (t1, a1, s1) in zip(curve, curve[1:]):
         if t0 <= t <= t1: return a0 + (a1 - a0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.), max(s0, s1)
 
-def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int) -> list:
-    "Each method against the equal-compute baseline's curve (at its training seconds) and its random control (at its share)"
+def best_plain(rows:list, plain:list, target:float) -> dict:
+    "The cheapest plain schedule to `target`, in training seconds and in work: the plain runs' costs to it, and where the budget curve crosses it"
+    # the crossing is interpolated between the last schedule that ends below the target and the next, which ends above it
+    pts = sorted((r['work'], r['train_s'], r['final_accuracy']) for r in rows if r['method'] in plain and r.get('work') is not None)
+    reach = [r for r in rows if r['method'] in plain and r['final_accuracy'] >= target - 1e-9]
+    work = [r['work_to_target'] for r in reach if r.get('work_to_target') is not None]
+    time_ = [r['target_s'] for r in reach if r.get('target_s') is not None]
+    for (w0, t0, a0), (w1, t1, a1) in zip(pts, pts[1:]):
+        if a0 < target - 1e-9 <= a1:
+            f = (target - a0) / (a1 - a0)
+            work.append(w0 + f * (w1 - w0)); time_.append(t0 + f * (t1 - t0))
+    return dict(work=min(work, default=None), train_s=min(time_, default=None))
+
+def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:float|None=None) -> list:
+    "Each method against the budget curve (at its work), its random control (at its share), and the cheapest plain schedule to `target`"
     by = {r['method']: r for r in rows}
     sp = lambda r: r.get('final_accuracy_spread') or 0.
-    curve = sorted((by[m]['train_s'], by[m]['final_accuracy'], sp(by[m])) for m in [*budgets, 'baseline'] if m in by)
+    plain = [m for m in ['baseline', *budgets] if m in by]
+    curve = sorted((by[m]['work'], by[m]['final_accuracy'], sp(by[m])) for m in plain if by[m].get('work') is not None)
+    controls = {c for cs in control_of.values() for c in cs}
+    best = best_plain(rows, plain, target) if target is not None and len(plain) > 1 else None
     for r in rows:
         m = r['method']
-        if m == 'baseline' or m in budgets or m in control_of.values(): continue
-        if len(curve) > 1:
-            acc, s = _interp(curve, r['train_s'])
+        if best is not None:
+            r['vs_best_plain_work_x'] = _ratio(best['work'], r.get('work_to_target'))
+            r['vs_best_plain_x'] = _ratio(best['train_s'], r.get('target_s'))
+        if m in plain or m in controls: continue
+        if len(curve) > 1 and r.get('work') is not None:
+            acc, s = _interp(curve, r['work'])
             if acc is not None: r['vs_budget'] = _verdict(r['final_accuracy'] - acc, max(sp(r), s), n_seeds)
-        c = by.get(control_of.get(m))
+        c = by.get(next((c for c in control_of.get(m, []) if c.startswith('random')), None))
         if c: r['vs_random'] = _verdict(r['final_accuracy'] - c['final_accuracy'], max(sp(r), sp(c)), n_seeds) | dict(control=c['method'])
     return rows
 
+
 def plot_budget(rows:list, budgets:list, control_of:dict, out:Path) -> Path:
-    "Final accuracy against training seconds: the baseline's budget curve, every method and control over it"
+    "Final accuracy against work (plain epochs): the baseline's budget curve, every method and control over it"
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    curve = sorted((r['train_s'], r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
-    ax.plot(*zip(*curve), 'k.-', label='baseline, shorter schedules (equal compute)')
+    curve = sorted((r['work'], r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
+    ax.plot(*zip(*curve), 'k.-', label='baseline, shorter schedules (training less)')
+    controls = {c for cs in control_of.values() for c in cs}
     for i, r in enumerate(r for r in rows if r['method'] not in [*budgets, 'baseline']):
-        ctl = r['method'] in control_of.values()
-        ax.errorbar(r['train_s'], r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6,
-                    mfc='none' if ctl else f'C{i}', color=f'C{i}', label=r['method'])
-    ax.set(xlabel='training seconds', ylabel='final validation accuracy', title='Accuracy against training time, over the budget curve')
+        ax.errorbar(r['work'], r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6,
+                    mfc='none' if r['method'] in controls else f'C{i}', color=f'C{i}', label=r['method'])
+    ax.set(xlabel='work (plain epochs: examples trained, and scored at their measured cost)', ylabel='final validation accuracy',
+           title='Accuracy against work, over the budget curve')
     ax.legend(fontsize=7, loc='lower right'); fig.tight_layout()
     path = out / 'accuracy_vs_budget.png'; fig.savefig(path, dpi=110); plt.close(fig)
     return path
 
+def _why_apart(r:dict, base:dict) -> str:
+    "Why a method's wall-clock ratio and its work ratio disagree"
+    _, cls, kw, _ = parse_method(r['method'])
+    per = (r['train_s'] / r['work']) / (base['train_s'] / base['work'])   # wall-clock per unit of work, against the baseline's
+    if cls is not None and issubclass(cls, LossFilterCallback) and not kw.get('fill_batch'):
+        why = "its steps on the kept part of a batch are not proportionally cheaper (fixed per-step costs: optimiser, callbacks, Python)"
+    elif cls is not None and issubclass(cls, LossFilterCallback): why = "its scoring pass and pooling cost more or less than the measured ratio says"
+    else: why = "fixed per-step and per-epoch costs, and the machine's load, are not in the work count"
+    return f"each unit of its work took {per:.2f}x the baseline's seconds: {why}"
+
+def _x(v): return '-' if v is None else f'{v:.2f}x'
+
+def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
+    "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls, by work and by wall-clock"
+    by, out = {r['method']: r for r in rows}, []
+    base = by.get('baseline')
+    controls = {c for cs in control_of.values() for c in cs}
+    for r in rows:
+        m = r['method']
+        if m == 'baseline' or m in budgets or m in controls: continue
+        if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
+        s = (f"{m}: {r['reached']}/{r['repeats']} runs reached the target; work to it {_x(r.get('work_x'))} the baseline's"
+             f" and {_x(r.get('vs_best_plain_work_x'))} the cheapest plain schedule's; wall-clock {_x(r.get('target_x'))} and"
+             f" {_x(r.get('vs_best_plain_x'))}")
+        for k, what in (('vs_budget', 'training less'), ('vs_random', 'random choice at its share')):
+            if r.get(k): s += f"; final accuracy {r[k]['diff'] * 100:+.2f} points against {what} ({r[k]['verdict']})"
+        for c in control_of.get(m, []):
+            if c in by and c.startswith('baseline'): s += f"; {(r['final_accuracy'] - by[c]['final_accuracy']) * 100:+.2f} points against `{c}`, its rate raise without the selection"
+        out.append(s)
+        wx, tx = r.get('work_x'), r.get('target_x')
+        if base and wx and tx and abs(math.log(wx / tx)) > math.log(1.1) and r.get('work') and base.get('work'):
+            out.append(f"  {m}: work says {wx:.2f}x, wall-clock {tx:.2f}x: {_why_apart(r, base)}")
+    return out
+
+def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
+
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (augmentation, a long schedule, the controls)
+         preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (augmentation, a schedule at the baseline's plateau, the controls)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
          seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
          bs:int=256, # batch size
-         lr:float=3e-3, # maximum learning rate of `fit_one_cycle`
-         methods:str=DEFAULT_METHODS, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2"
+         lr:float=None, # maximum learning rate of `fit_one_cycle`; default: the preset's
+         methods:str=None, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2"; default: the preset's
          seed:int=0, # seed for the model initialisation and the data order
          out:str='bench_out', # folder for results.json and the plots
          repeats:int=1, # runs of every method (interleaved); medians and spreads when > 1
          target:float=None, # target validation accuracy; default: baseline's final accuracy - `target_drop`
          target_drop:float=.002, # default target: this much below the baseline's final accuracy (0.2 points)
-         n_train:int=None, # use only this many training examples (a quicker run)
-         n_valid:int=None, # use only this many validation examples
+         n_train:int=None, # use only this many training examples (0: all); default: the preset's
+         n_valid:int=None, # use only this many validation examples (0: all); default: the preset's
          evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
          controls:str='auto', # `yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's
-         budgets:str='.5 .6 .7 .8 .9', # shares of `epochs` for the equal-compute baselines
+         budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
+         score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
-    "Train the same model with and without each loss filter and compare time to accuracy"
+    "Train the same model with and without each loss filter and compare time and work to accuracy"
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     pre = PRESETS[preset]
-    epochs, evals_per_epoch = epochs or pre['epochs'], evals_per_epoch or pre['evals_per_epoch']
+    epochs, evals_per_epoch, lr = (_preset_value(v, k, pre) for v, k in ((epochs, 'epochs'), (evals_per_epoch, 'evals_per_epoch'), (lr, 'lr')))
+    methods, budgets, n_train, n_valid = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
+                                                                              (n_train, 'n_train'), (n_valid, 'n_valid')))
     if controls not in ('auto', 'yes', 'no'): raise ValueError(f"`controls` must be 'auto', 'yes' or 'no', got {controls!r}")
     controls = pre['controls'] if controls == 'auto' else controls == 'yes'
     specs = methods.split()
     for s in specs: parse_method(s)
     if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:
         raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
+    if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
-    dls, data_name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed)
+    dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed)
     if pre['augment']: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}")
     run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, model=model, show_progress=False)   # warm-up, not reported
+    cost = measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
+    if score_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
     runs, seed_list = [], range(seed, seed + seeds)
     def run_all(todo:list, what:str):
         for sd in seed_list:
             for rep in range(repeats):
-                for s in todo:
+                for s in todo:   # each seed's methods back to back: the time ratios are paired by seed
                     print(f"\n== {s} ({what}seed {sd}, repeat {rep + 1}/{repeats})")
                     first = sd == seed and rep == 0
-                    runs.append(run_method(dls, s, epochs=epochs, lr=lr, seed=sd, model=model, show_progress=not quiet,
-                                           diag=out if first and what == '' else None, evals_per_epoch=evals_per_epoch)
-                                | dict(repeat=rep, seed=sd))
+                    runs.append(add_work(run_method(dls, s, epochs=epochs, lr=lr, seed=sd, model=model, show_progress=not quiet,
+                                                    diag=out if first and what == '' else None, evals_per_epoch=evals_per_epoch)
+                                         | dict(repeat=rep, seed=sd), cost))
     run_all(specs, '')
     budget_runs, control_of = [], {}
-    if controls:   # after the methods: a random control needs the share its method really kept
+    if controls:   # after the methods: a random control needs the share its method really kept, a rate control its rate
         budget_runs = [b for b in budget_specs(epochs, budgets) if b not in specs]
-        control_of = {s: c for s in specs if (c := matched_control(s, runs)) is not None}
-        run_all(budget_runs + list(dict.fromkeys(c for c in control_of.values() if c not in specs)), 'control, ')
+        control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs)) if c])}
+        todo = [c for cs in control_of.values() for c in cs if c not in specs]
+        run_all(budget_runs + list(dict.fromkeys(todo)), 'control, ')
     rows, tgt = summarise(runs, target, target_drop)
-    add_verdicts(rows, budget_runs, control_of, seeds)
+    add_verdicts(rows, budget_runs, control_of, seeds, tgt)
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
-    res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of), n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr,
-               seed=seed, repeats=repeats, evals_per_epoch=evals_per_epoch, target=tgt, machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(),
-               torch=torch.__version__, cuda=torch.cuda.is_available()), summary=rows, runs=runs, profile=prof)
+    res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of),
+               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
+               evals_per_epoch=evals_per_epoch, target=tgt, score_cost=cost, best_plain=best_plain(rows, ['baseline', *budget_runs], tgt),
+               machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(), torch=torch.__version__,
+                            cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None),
+               summary=rows, runs=runs, profile=prof)
     (out / 'results.json').write_text(json.dumps(res, indent=1))
     plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
     if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
-    print(f"\nTarget accuracy {tgt:.4f}; times are training seconds (validation excluded), medians over {seeds} seed(s) x "
-          f"{repeats} repeat(s); final accuracy: median ±spread over them")
+    print(f"\nTarget accuracy {tgt:.4f}. Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
+          f"each); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} repeat(s), ±spread; "
+          f"the x columns are paired ratios (each run over the same seed's baseline), vs_best_plain over the cheapest plain schedule")
     print(format_table(rows))
+    for line in verdict_lines(rows, budget_runs, control_of): print(line)
     for s, p in prof.items():
         print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
               f"own work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (its batch step {p['before_batch']*1e3:.3f} "
@@ -438,8 +579,21 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
     return res
 
-@call_parse
+def _spelled_for(parser, argv:list) -> list:
+    "`argv` with every `--long_option` or `--long-option` spelled as `parser` knows it (fastcore 1 uses `_`, fastcore 2 `-`)"
+    known = {o[2:].replace('-', '_'): o for o in parser._option_string_actions if o.startswith('--')}
+    def fix(a:str) -> str:
+        if not a.startswith('--'): return a
+        name, eq, val = a[2:].partition('=')
+        return known.get(name.replace('-', '_'), a) + eq + val
+    return [fix(a) for a in argv]
+
 @functools.wraps(lf_bench)
-def main(*args, **kwargs):
-    "The `lf_bench` console script: `lf_bench` without a return value, so the exit status is 0"
-    lf_bench(*args, **kwargs)
+def _cli(*args, **kwargs): lf_bench(*args, **kwargs)
+_cli = call_parse(_cli)
+
+def main():
+    "The `lf_bench` console script: options spelled `--n_train` or `--n-train` under any fastcore; exit status 0"
+    from fastcore.script import anno_parser
+    sys.argv[1:] = _spelled_for(anno_parser(lf_bench), sys.argv[1:])
+    _cli()

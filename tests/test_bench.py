@@ -194,3 +194,93 @@ def test_console_script_long_preset_runs_the_controls(tmp_path):
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['preset'] == 'long' and saved['controls']['budgets'] == ['baseline:epochs=1']
     with pytest.raises(ValueError, match="`controls` must be"): lf_bench(data='digits', controls='maybe', out=str(tmp_path))
+
+# ------------------------------------------------------------------ work accounting, paired ratios, the cheapest plain schedule
+@pytest.fixture(scope='module')
+def digits64():
+    from loss_filters.data import load_dls
+    return load_dls('digits', bs=64, seed=0)[0]
+
+def test_work_counts_every_trained_example_exactly(digits64):
+    "A plain epoch is one unit of work; a batch control keeping 32 of every 64 in its filtered epoch adds exactly that share"
+    from loss_filters.bench import run_method, add_work, plain_epoch_examples
+    dl = digits64.train
+    n_b, plain = len(dl), plain_epoch_examples(dl)
+    assert plain == n_b * 64 and plain == dl.n // 64 * 64                 # `drop_last`: the part-batch is not trained
+    base = add_work(run_method(digits64, 'baseline', epochs=2, show_progress=False), score_cost=.25)
+    assert base['trained'] == 2 * plain and base['scored'] == 0 and base['work'] == 2.
+    assert [e['work'] for e in base['history']] == [1., 2.]
+    half = add_work(run_method(digits64, 'random_batch:keep=.5,skip_epochs=1', epochs=2, show_progress=False), score_cost=.25)
+    assert half['trained'] == plain + 32 * n_b
+    # every batch of the filtered epoch is scored, and the first batch once more by the first-batch check
+    assert half['scored'] == 64 * n_b + 64
+    assert half['work'] == pytest.approx((plain + 32 * n_b + .25 * (64 * n_b + 64)) / plain)
+
+def test_a_pruned_epoch_s_work_is_its_kept_share(digits64):
+    from loss_filters.bench import run_method, add_work
+    r = add_work(run_method(digits64, 'random:keep=.5,anneal=0', epochs=3, show_progress=False), score_cost=.25)
+    h = r['history']
+    assert h[0]['work'] == 1. and r['scored'] == 0
+    for prev, e in zip(h, h[1:]):
+        assert e['work'] - prev['work'] == pytest.approx(e['samp_perc']) and e['samp_perc'] < .6
+
+def test_paired_ratios_pair_each_run_with_its_own_seed_s_baseline():
+    h = lambda t, w, a: [dict(train_s=t, work=w, accuracy=a)]
+    mk = lambda m, sd, t, w: dict(method=m, seed=sd, repeat=0, epochs=1, train_s=t, wall_s=t, work=w, final_accuracy=.9,
+                                  mean_samp_perc=1., history=h(t, w, .9))
+    runs = [mk('baseline', 0, 10., 1.), mk('baseline', 1, 20., 1.), mk('baseline', 2, 30., 1.),
+            mk('stale', 0, 5., .5), mk('stale', 1, 16., .8), mk('stale', 2, 15., .5)]
+    rows, _ = summarise(runs, target=.85)
+    st = rows[1]
+    assert st['target_x'] == pytest.approx(2.) and st['target_x_spread'] == pytest.approx(.75)   # 2, 1.25, 2: not 20/15
+    assert st['work_x'] == pytest.approx(2.) and st['work_x_spread'] == pytest.approx(.75)
+    assert st['total_x'] == pytest.approx(2.)
+
+def test_cheapest_plain_schedule_interpolates_the_budget_curve():
+    from loss_filters.bench import best_plain, add_verdicts
+    row = lambda m, w, t, a, wt=None, ts=None: dict(method=m, work=w, train_s=t, final_accuracy=a, work_to_target=wt, target_s=ts)
+    rows = [row('baseline', 10., 100., .90, 9., 90.), row('baseline:epochs=5', 5., 50., .86), row('baseline:epochs=7', 7., 70., .89),
+            row('hide', 8., 60., .90, 6., 45.)]
+    best = best_plain(rows, ['baseline', 'baseline:epochs=5', 'baseline:epochs=7'], .895)
+    # the curve crosses .895 between 7 epochs (.89) and 10 (.90): at 8.5 epochs, 85 s; the full baseline got there at 9 (90 s)
+    assert best == dict(work=pytest.approx(8.5), train_s=pytest.approx(85.))
+    add_verdicts(rows, ['baseline:epochs=5', 'baseline:epochs=7'], {}, 3, target=.895)
+    assert rows[3]['vs_best_plain_work_x'] == pytest.approx(8.5 / 6) and rows[3]['vs_best_plain_x'] == pytest.approx(85 / 45)
+    assert rows[3]['vs_budget']['diff'] == pytest.approx(.90 - .8933333, abs=1e-6)   # on the work axis: between 7 and 10
+    assert best_plain(rows, ['baseline:epochs=5'], .895) == dict(work=None, train_s=None)   # no plain schedule reaches it
+
+def test_rate_changing_methods_get_rate_matched_controls():
+    from loss_filters.bench import matched_control, rate_control
+    runs = [dict(method='hide', lr_mult=1.3, history=[dict(samp_perc=1.), dict(samp_perc=.7), dict(samp_perc=.8)], kept=[]),
+            dict(method='hide', lr_mult=1.2, history=[dict(samp_perc=1.), dict(samp_perc=.75)], kept=[])]
+    assert matched_control('hide', runs) == 'random:keep=0.750,anneal=0.125,lr_scale=1'
+    assert rate_control('hide', runs) == 'baseline:lr_mult=1.250'
+    assert rate_control('stale', [dict(method='stale', lr_mult=1.)]) is None
+    assert matched_control('stale', [dict(method='stale', history=[dict(samp_perc=.5)], kept=[])]) == 'random:keep=0.500,anneal=0.125'
+
+def test_lr_mult_setting_and_the_rate_record(digits64):
+    from loss_filters.bench import run_method, lr_multiplier
+    r = run_method(digits64, 'baseline:lr_mult=2', epochs=1, lr=1e-3, show_progress=False)
+    assert r['lr'] == pytest.approx(2e-3) and r['lr_mult'] == pytest.approx(1.)
+    assert 1.8e-3 < max(u for _, u in r["lrs"]) <= 2e-3 * (1 + 1e-9)   # one-cycle peaks near the run's rate
+    assert lr_multiplier([(0, 2., 1.), (1, 3., 2.)]) == pytest.approx(1.75)
+    with pytest.raises(ValueError, match='`lr_mult`'): parse_method('baseline:lr_mult=0')
+
+def test_never_filtered_rows_are_marked():
+    runs = [dict(method='baseline', epochs=1, train_s=1., wall_s=1., final_accuracy=.9, mean_samp_perc=1., history=[]),
+            dict(method='blf', epochs=1, train_s=1., wall_s=1., final_accuracy=.9, mean_samp_perc=1., history=[])]
+    rows, _ = summarise(runs, target=.5)
+    assert [r['never_filtered'] for r in rows] == [False, True]
+    assert '[never filtered]' in format_table(rows).splitlines()[2]
+
+@pytest.mark.parametrize('spelling', ['--n_train', '--n-train'])
+def test_console_script_takes_both_option_spellings(tmp_path, spelling):
+    "fastcore 1 spells options `--n_train`, fastcore 2 `--n-train`: the script takes both under either"
+    script = Path(sys.executable).parent / 'lf_bench'
+    opt = lambda o: o.replace('_', '-') if '-' in spelling[2:] else o
+    r = subprocess.run([str(script), '--data', 'digits', '--epochs', '1', spelling, '300', opt('--evals_per_epoch'), '2',
+                        opt('--score_cost') + '=.5', '--methods', 'baseline', '--quiet', '--out', str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((tmp_path / 'results.json').read_text())
+    assert saved['n_train'] == 300 and saved['evals_per_epoch'] == 2 and saved['score_cost'] == .5
