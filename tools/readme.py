@@ -1,6 +1,9 @@
-"Write README.md from nbs/index.ipynb: markdown cells as they are, code cells as python blocks, text outputs and images kept."
+"""Write README.md from nbs/index.ipynb and BENCHMARKS.md from nbs/benchmarks.ipynb: markdown cells as they are,
+code cells as python blocks, text outputs and images kept. `--check` fails when either file is out of date."""
 import json, sys
 from pathlib import Path
+
+PAGES = {'README.md': 'index.ipynb', 'BENCHMARKS.md': 'benchmarks.ipynb'}   # page at the repo root: its notebook in nbs/
 
 def nb_to_markdown(nb_path):
     parts = []
@@ -16,7 +19,10 @@ def nb_to_markdown(nb_path):
 
 if __name__ == '__main__':
     root = Path(__file__).resolve().parent.parent
-    md = nb_to_markdown(root / 'nbs' / 'index.ipynb')
-    if sys.argv[1:] == ['--check']:
-        if (root / 'README.md').read_text() != md: sys.exit('README.md is out of date: run `python tools/readme.py`')
-    else: (root / 'README.md').write_text(md)
+    check = sys.argv[1:] == ['--check']
+    stale = []
+    for page, nb in PAGES.items():
+        md = nb_to_markdown(root / 'nbs' / nb)
+        if not check: (root / page).write_text(md)
+        elif not (root / page).is_file() or (root / page).read_text() != md: stale.append(page)
+    if stale: sys.exit(f"{' and '.join(stale)} out of date: run `python tools/readme.py`")
