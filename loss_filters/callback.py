@@ -83,10 +83,10 @@ class LossFilterBase(Callback):
         self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
 
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
-    _local_sums = ('n_seen', 'n_kept', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
+    _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
 
-    _hot = frozenset(('n_seen', 'n_kept', 'n_scored', '_plain_step', 'scoring'))
+    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_lrs'))
     def __setattr__(self, name, value):
         "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
         if name in self._hot: self.__dict__[name] = value
@@ -150,7 +150,7 @@ class LossFilterColumns(Callback):
 
     def before_validate(self):
         "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
-        if self.shown and not self.filt.fit_trained:
+        if self.shown and not self.filt._training:
             self.shown = False
             self.recorder.metric_names = L(n for n in self.recorder.metric_names if n not in self.names)
 
@@ -172,13 +172,14 @@ def _leave(self:LossFilterBase, learn:Learner):
 
 @patch
 def _restore(self:LossFilterBase):
-    "Undo what a fit changed outside the callback (the batch filters change nothing there)"
+    "Undo what a fit changed outside the callback: the scheduled learning rate, if a step died raised"
+    self._lr_back()
 
 @patch
 def before_fit(self:LossFilterBase):
     self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
     self._restore()   # a fit that died by an exception ran no `after_fit`
-    self.fit_trained, self._checked, self.scoring = False, False, False
+    self._training, self._checked, self.scoring = False, False, False
     if not self.run: return
     others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]
     if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
@@ -214,8 +215,9 @@ def _check_distributed(self:LossFilterBase):
 
 @patch
 def _new_records(self:LossFilterBase):
-    "Empty per-batch and per-epoch records and score histogram, made at a fit's first training epoch"
-    self.stats, self.epoch_stats, self._warned = L(), L(), False
+    "Empty records, score histogram and work counters, made at a fit's first training epoch"
+    self.stats, self.epoch_stats, self.lr_stats, self._warned = L(), L(), [], False
+    self.fit_trained = self.fit_scored = 0
     self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
 
 @patch
@@ -225,13 +227,13 @@ def after_fit(self:LossFilterBase): self._restore()
 @patch
 def before_train(self:LossFilterBase):
     if self._fresh: self._new_records()   # not in `before_fit`: `learn.validate()` would wipe the last fit's records
-    self._fresh, self.fit_trained = False, True
+    self._fresh, self._training = False, True
     self._new_epoch()
 
 @patch
 def _new_epoch(self:LossFilterBase):
     "Zero the epoch's counts and sums"
-    self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
+    self.n_seen, self.n_kept, self.n_trained, self.n_scored, self._n_loss = 0, 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
     self._batches, self._plain_losses, self.pool, self.iter0 = [], [], BatchPool(), self.train_iter
 
@@ -271,6 +273,7 @@ def score_batch(self:LossFilterCallback) -> tuple:
     with torch.no_grad(), self._autocast(), frozen_norm_stats(model, getattr(self, '_norms', None)):
         pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
         losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
+    self.fit_scored += losses.shape[0]
     return plain(losses).float(), plain(scores).float()
 
 @patch
@@ -299,9 +302,10 @@ def before_batch(self:LossFilterCallback):
 
 @patch
 def after_loss(self:LossFilterCallback):
-    "An unfiltered step's own loss is its full-batch loss: keep it for `full_train_loss` (summed at the epoch's end)"
-    if not self._plain_step: return
-    self._plain_losses.append((self.learn.loss.detach(), find_bs(self.learn.yb)))
+    "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
+    bs = find_bs(self.learn.yb)
+    self.n_trained += bs; self.fit_trained += bs
+    if self._plain_step: self._plain_losses.append((self.learn.loss.detach(), bs))
 
 @patch
 def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
@@ -385,7 +389,7 @@ def after_train(self:LossFilterBase):
     self._fold_epoch()
     self._reduce_sums()
     scored = float(self._loss_scored)
-    self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=self.n_kept / self.n_seen if self.n_seen else 1.,
+    self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=min(1., self.n_trained / self.n_seen) if self.n_seen else 1.,
                                  loss_perc=min(1., float(self._loss_kept) / scored) if self.n_scored and scored > 0 else 1.,
                                  full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
                                  iter0=self.iter0, n_iter=self.train_iter - self.iter0))
@@ -400,6 +404,48 @@ def _samp_perc(self:LossFilterBase): return self.epoch_stats[-1]['samp_perc'] if
 def _loss_perc(self:LossFilterBase): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
 @patch
 def _full_loss(self:LossFilterBase): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
+
+# %% ../nbs/01_callback.ipynb #6e0cb488
+@patch
+def _lr_factor(self:LossFilterBase) -> float:
+    "How much the policy raises this step's learning rate over the scheduled one: not at all here"
+    return 1.
+
+@patch
+def before_step(self:LossFilterBase):
+    "Raise the rate for this step if the policy says so, and record the rate used beside the scheduled one"
+    opt, f = self.learn.opt, self._lr_factor()
+    lr = float(opt.hypers[-1]['lr'])
+    if f != 1:
+        self._lrs = [h['lr'] for h in opt.hypers]
+        opt.set_hyper('lr', [r * f for r in self._lrs])
+    self.lr_stats.append((self.learn.train_iter, lr * f, lr))
+
+@patch
+def after_cancel_step(self:LossFilterBase):
+    "A skipped step (a mixed-precision overflow) used no rate"
+    if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
+
+@patch
+def after_cancel_batch(self:LossFilterBase):
+    "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
+    self.after_cancel_step()
+    self._lr_back()
+
+@patch
+def after_step(self:LossFilterBase): self._lr_back()
+
+@patch
+def _lr_back(self:LossFilterBase):
+    "The scheduled learning rates back in the optimiser, if a raise is in place"
+    lrs, self._lrs = self.__dict__.get('_lrs'), None
+    if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
+
+@patch(as_prop=True)
+def mean_lr_mult(self:LossFilterBase) -> float:
+    "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
+    rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
+    return sum(rs) / len(rs) if rs else 1.
 
 # %% ../nbs/01_callback.ipynb #e58e470b
 def _axes(ax):

@@ -17,9 +17,10 @@ class RandomPruningCallback(SamplerPruningCallback):
     "Control for sampler-level pruning: each pruned epoch trains on a uniformly random share `keep` of the data"
     def __init__(self,
                  keep:float=.7, # share of the dataset in each pruned epoch, in (0, 1]
-                 anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 lr_scale:bool=False): # raise the rate in a pruned epoch as `HideLearnedCallback` does: its control with the raise
         check_range('keep', keep, 0, 1, lo_open=True)
-        super().__init__(anneal=anneal)
+        super().__init__(anneal=anneal, lr_scale=lr_scale)
         self.keep = keep
 
     def epoch_keep(self): return prune_at_random(len(self.table), self.keep, self.gen, self.table.device), None
