@@ -160,7 +160,11 @@ class LossFilterColumns(Callback):
 # %% ../nbs/01_callback.ipynb #5ee9dbe7
 @patch
 def _join(self:LossFilterBase, learn:Learner):
-    "Bring the columns along: they need an order of their own, after the `Recorder`'s"
+    "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
+    for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
+        warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
+                      "a Learner trains with one filter at a time", stacklevel=4)
+        learn.remove_cb(old)
     if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
     if self.columns not in learn.cbs: learn.add_cb(self.columns)
 
@@ -181,8 +185,9 @@ def before_fit(self:LossFilterBase):
     self._restore()   # a fit that died by an exception ran no `after_fit`
     self._training, self._checked, self.scoring = False, False, False
     if not self.run: return
-    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]
-    if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
+    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
+    if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
+                                "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
     check_per_sample(self.learn.loss_func)
     if dist_world()[1] > 1: self._check_distributed()
     self.score_func, self._fresh = self.learn.loss_func, True
@@ -553,7 +558,7 @@ class BatchLossFilterCallback(LossFilterCallback):
 # %% ../nbs/01_callback.ipynb #255d746b
 @patch
 def _set_loss_filter(self:Learner, cb:LossFilterBase):
-    self.remove_cbs(self.cbs.filter(lambda o: isinstance(o, LossFilterBase)))
+    "Add `cb`, which replaces the filter the Learner had"
     return self.add_cb(cb)
 
 @patch

@@ -238,9 +238,9 @@ def plot_kept(self:SamplerPruningCallback, ax=None):
     return ax.figure
 
 @patch
-def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss'):
+def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss', lr_scale:bool=False):
     "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
-    cb = StaleLossPruningCallback(prune, anneal, score)
+    cb = StaleLossPruningCallback(prune, anneal, score, lr_scale)
     return self._set_loss_filter(cb)
 
 # %% ../nbs/05_stale.ipynb #f3a1c2d5
@@ -265,3 +265,9 @@ class HideLearnedCallback(SamplerPruningCallback):
         keep = hide_learned(self.table.masked_fill(self.hidden, math.nan), self.max_hide, -math.log(self.confidence))
         self.hidden = ~keep
         return keep, None
+
+@patch
+def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, lr_scale:bool=True, anneal:float=.125):
+    "Hide the examples learned with confidence from each epoch, with a raised rate for its fewer steps (`HideLearnedCallback`)"
+    return self._set_loss_filter(HideLearnedCallback(max_hide, confidence, lr_scale, anneal))
+
