@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_callback.ipynb #038ca650
 from __future__ import annotations
-import math, warnings
+import inspect, math, warnings
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -118,8 +118,7 @@ class LossFilterCallback(LossFilterBase):
                  score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
         check_schedule(start, end, interrupt)
         check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
-        if isinstance(skip_epochs, bool) or not isinstance(skip_epochs, int) or skip_epochs < 0:
-            raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
+        check_int('skip_epochs', skip_epochs)
         if score_precision not in PRECISIONS:
             raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
         super().__init__(score=score)
@@ -156,6 +155,18 @@ class LossFilterColumns(Callback):
 
     def after_validate(self):
         if self.shown: self.recorder.log += [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
+
+def _warn_no_op(cb, setting:str, why:str):
+    "Warn that `setting` leaves the filter `cb` nothing to do: the fit trains like plain fastai"
+    warnings.warn(f"{type(cb).__name__}({setting}) {why}, so the fit trains as plain fastai would", stacklevel=3)
+
+def _check_kwargs(cls, kwargs:dict, to):
+    "Refuse a keyword argument that neither `cls` nor `to`, where its `**kwargs` go, takes, naming `cls` and its arguments"
+    names = [p for f in (cls.__init__, to) for p in inspect.signature(f).parameters if p not in ('self', 'kwargs')]
+    bad = [k for k in kwargs if k not in names]
+    if bad: raise TypeError(f"{cls.__name__} got an unexpected keyword argument {bad[0]!r}; "
+                            f"its arguments are {', '.join(dict.fromkeys(names))}")
+
 
 # %% ../nbs/01_callback.ipynb #5ee9dbe7
 @patch
@@ -534,6 +545,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
                  score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
         check_range('keep', keep, 0, 1, lo_open=True)
+        if keep == 1: _warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
                          score_precision=score_precision)
         self.keep = keep
@@ -546,11 +558,13 @@ class BatchLossFilterCallback(LossFilterCallback):
     "Batch Loss Filter: train on the highest-loss examples that carry `min_loss_perc` of each batch's loss"
     def __init__(self,
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
-                 min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in [0, 1]
+                 min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in (0, 1]
                  skip_epochs:int=1, # like the original, leave the first epoch unfiltered
                  **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score`, `score_precision` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
-        check_range('min_loss_perc', min_loss_perc, 0, 1)
+        check_range('min_loss_perc', min_loss_perc, 0, 1, lo_open=True)   # 0 would train on one example a batch
+        _check_kwargs(type(self), kwargs, LossFilterCallback.__init__)
+        if min_sample_perc == 1: _warn_no_op(self, 'min_sample_perc=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(skip_epochs=skip_epochs, **kwargs)
         store_attr('min_sample_perc,min_loss_perc')
     def select(self, scores): return select_by_loss_share(scores, self.min_loss_perc, self.min_sample_perc)

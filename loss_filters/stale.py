@@ -11,7 +11,7 @@ from fastai.learner import Learner
 from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, check_range, dist_world, all_reduce_sum
-from .callback import LossFilterBase, plain
+from .callback import LossFilterBase, plain, _warn_no_op
 
 # %% auto #0
 __all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals',
@@ -44,6 +44,7 @@ class StaleLossPruningCallback(SamplerPruningCallback):
                  score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
                  lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
         check_range('prune', prune, 0, 1, hi_open=True)
+        if prune == 0: _warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
         super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
         self.prune = prune
 
@@ -253,6 +254,7 @@ class HideLearnedCallback(SamplerPruningCallback):
                  anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
         check_range('max_hide', max_hide, 0, 1, hi_open=True)
         check_range('confidence', confidence, 0, 1, lo_open=True)
+        if max_hide == 0: _warn_no_op(self, 'max_hide=0', 'hides no example from any epoch')
         super().__init__(anneal=anneal, lr_scale=lr_scale)
         store_attr('max_hide,confidence')
 
