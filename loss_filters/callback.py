@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_callback.ipynb #038ca650
 from __future__ import annotations
-import math, warnings
+import inspect, math, warnings
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -83,10 +83,10 @@ class LossFilterBase(Callback):
         self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
 
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
-    _local_sums = ('n_seen', 'n_kept', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
+    _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
 
-    _hot = frozenset(('n_seen', 'n_kept', 'n_scored', '_plain_step', 'scoring'))
+    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_lrs'))
     def __setattr__(self, name, value):
         "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
         if name in self._hot: self.__dict__[name] = value
@@ -118,8 +118,7 @@ class LossFilterCallback(LossFilterBase):
                  score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
         check_schedule(start, end, interrupt)
         check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
-        if isinstance(skip_epochs, bool) or not isinstance(skip_epochs, int) or skip_epochs < 0:
-            raise ValueError(f"`skip_epochs` must be an integer >= 0, got {skip_epochs!r}")
+        check_int('skip_epochs', skip_epochs)
         if score_precision not in PRECISIONS:
             raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
         super().__init__(score=score)
@@ -150,17 +149,33 @@ class LossFilterColumns(Callback):
 
     def before_validate(self):
         "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
-        if self.shown and not self.filt.fit_trained:
+        if self.shown and not self.filt._training:
             self.shown = False
             self.recorder.metric_names = L(n for n in self.recorder.metric_names if n not in self.names)
 
     def after_validate(self):
         if self.shown: self.recorder.log += [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
 
+def _warn_no_op(cb, setting:str, why:str):
+    "Warn that `setting` leaves the filter `cb` nothing to do: the fit trains like plain fastai"
+    warnings.warn(f"{type(cb).__name__}({setting}) {why}, so the fit trains as plain fastai would", stacklevel=3)
+
+def _check_kwargs(cls, kwargs:dict, to):
+    "Refuse a keyword argument that neither `cls` nor `to`, where its `**kwargs` go, takes, naming `cls` and its arguments"
+    names = [p for f in (cls.__init__, to) for p in inspect.signature(f).parameters if p not in ('self', 'kwargs')]
+    bad = [k for k in kwargs if k not in names]
+    if bad: raise TypeError(f"{cls.__name__} got an unexpected keyword argument {bad[0]!r}; "
+                            f"its arguments are {', '.join(dict.fromkeys(names))}")
+
+
 # %% ../nbs/01_callback.ipynb #5ee9dbe7
 @patch
 def _join(self:LossFilterBase, learn:Learner):
-    "Bring the columns along: they need an order of their own, after the `Recorder`'s"
+    "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
+    for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
+        warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
+                      "a Learner trains with one filter at a time", stacklevel=4)
+        learn.remove_cb(old)
     if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
     if self.columns not in learn.cbs: learn.add_cb(self.columns)
 
@@ -172,16 +187,18 @@ def _leave(self:LossFilterBase, learn:Learner):
 
 @patch
 def _restore(self:LossFilterBase):
-    "Undo what a fit changed outside the callback (the batch filters change nothing there)"
+    "Undo what a fit changed outside the callback: the scheduled learning rate, if a step died raised"
+    self._lr_back()
 
 @patch
 def before_fit(self:LossFilterBase):
     self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
     self._restore()   # a fit that died by an exception ran no `after_fit`
-    self.fit_trained, self._checked, self.scoring = False, False, False
+    self._training, self._checked, self.scoring = False, False, False
     if not self.run: return
-    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]
-    if others: raise ValueError(f"only one loss filter per Learner: remove {type(others[0]).__name__} first (`learn.remove_cb`)")
+    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
+    if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
+                                "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
     check_per_sample(self.learn.loss_func)
     if dist_world()[1] > 1: self._check_distributed()
     self.score_func, self._fresh = self.learn.loss_func, True
@@ -214,8 +231,9 @@ def _check_distributed(self:LossFilterBase):
 
 @patch
 def _new_records(self:LossFilterBase):
-    "Empty per-batch and per-epoch records and score histogram, made at a fit's first training epoch"
-    self.stats, self.epoch_stats, self._warned = L(), L(), False
+    "Empty records, score histogram and work counters, made at a fit's first training epoch"
+    self.stats, self.epoch_stats, self.lr_stats, self._warned = L(), L(), [], False
+    self.fit_trained = self.fit_scored = 0
     self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
 
 @patch
@@ -225,13 +243,13 @@ def after_fit(self:LossFilterBase): self._restore()
 @patch
 def before_train(self:LossFilterBase):
     if self._fresh: self._new_records()   # not in `before_fit`: `learn.validate()` would wipe the last fit's records
-    self._fresh, self.fit_trained = False, True
+    self._fresh, self._training = False, True
     self._new_epoch()
 
 @patch
 def _new_epoch(self:LossFilterBase):
     "Zero the epoch's counts and sums"
-    self.n_seen, self.n_kept, self.n_scored, self._n_loss = 0, 0, 0, 0
+    self.n_seen, self.n_kept, self.n_trained, self.n_scored, self._n_loss = 0, 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
     self._batches, self._plain_losses, self.pool, self.iter0 = [], [], BatchPool(), self.train_iter
 
@@ -271,6 +289,7 @@ def score_batch(self:LossFilterCallback) -> tuple:
     with torch.no_grad(), self._autocast(), frozen_norm_stats(model, getattr(self, '_norms', None)):
         pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
         losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
+    self.fit_scored += losses.shape[0]
     return plain(losses).float(), plain(scores).float()
 
 @patch
@@ -299,9 +318,10 @@ def before_batch(self:LossFilterCallback):
 
 @patch
 def after_loss(self:LossFilterCallback):
-    "An unfiltered step's own loss is its full-batch loss: keep it for `full_train_loss` (summed at the epoch's end)"
-    if not self._plain_step: return
-    self._plain_losses.append((self.learn.loss.detach(), find_bs(self.learn.yb)))
+    "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
+    bs = find_bs(self.learn.yb)
+    self.n_trained += bs; self.fit_trained += bs
+    if self._plain_step: self._plain_losses.append((self.learn.loss.detach(), bs))
 
 @patch
 def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
@@ -385,7 +405,7 @@ def after_train(self:LossFilterBase):
     self._fold_epoch()
     self._reduce_sums()
     scored = float(self._loss_scored)
-    self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=self.n_kept / self.n_seen if self.n_seen else 1.,
+    self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=min(1., self.n_trained / self.n_seen) if self.n_seen else 1.,
                                  loss_perc=min(1., float(self._loss_kept) / scored) if self.n_scored and scored > 0 else 1.,
                                  full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
                                  iter0=self.iter0, n_iter=self.train_iter - self.iter0))
@@ -400,6 +420,48 @@ def _samp_perc(self:LossFilterBase): return self.epoch_stats[-1]['samp_perc'] if
 def _loss_perc(self:LossFilterBase): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
 @patch
 def _full_loss(self:LossFilterBase): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
+
+# %% ../nbs/01_callback.ipynb #6e0cb488
+@patch
+def _lr_factor(self:LossFilterBase) -> float:
+    "How much the policy raises this step's learning rate over the scheduled one: not at all here"
+    return 1.
+
+@patch
+def before_step(self:LossFilterBase):
+    "Raise the rate for this step if the policy says so, and record the rate used beside the scheduled one"
+    opt, f = self.learn.opt, self._lr_factor()
+    lr = float(opt.hypers[-1]['lr'])
+    if f != 1:
+        self._lrs = [h['lr'] for h in opt.hypers]
+        opt.set_hyper('lr', [r * f for r in self._lrs])
+    self.lr_stats.append((self.learn.train_iter, lr * f, lr))
+
+@patch
+def after_cancel_step(self:LossFilterBase):
+    "A skipped step (a mixed-precision overflow) used no rate"
+    if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
+
+@patch
+def after_cancel_batch(self:LossFilterBase):
+    "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
+    self.after_cancel_step()
+    self._lr_back()
+
+@patch
+def after_step(self:LossFilterBase): self._lr_back()
+
+@patch
+def _lr_back(self:LossFilterBase):
+    "The scheduled learning rates back in the optimiser, if a raise is in place"
+    lrs, self._lrs = self.__dict__.get('_lrs'), None
+    if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
+
+@patch(as_prop=True)
+def mean_lr_mult(self:LossFilterBase) -> float:
+    "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
+    rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
+    return sum(rs) / len(rs) if rs else 1.
 
 # %% ../nbs/01_callback.ipynb #e58e470b
 def _axes(ax):
@@ -483,6 +545,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
                  score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
         check_range('keep', keep, 0, 1, lo_open=True)
+        if keep == 1: _warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
                          score_precision=score_precision)
         self.keep = keep
@@ -495,11 +558,13 @@ class BatchLossFilterCallback(LossFilterCallback):
     "Batch Loss Filter: train on the highest-loss examples that carry `min_loss_perc` of each batch's loss"
     def __init__(self,
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
-                 min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in [0, 1]
+                 min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in (0, 1]
                  skip_epochs:int=1, # like the original, leave the first epoch unfiltered
                  **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score`, `score_precision` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
-        check_range('min_loss_perc', min_loss_perc, 0, 1)
+        check_range('min_loss_perc', min_loss_perc, 0, 1, lo_open=True)   # 0 would train on one example a batch
+        _check_kwargs(type(self), kwargs, LossFilterCallback.__init__)
+        if min_sample_perc == 1: _warn_no_op(self, 'min_sample_perc=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(skip_epochs=skip_epochs, **kwargs)
         store_attr('min_sample_perc,min_loss_perc')
     def select(self, scores): return select_by_loss_share(scores, self.min_loss_perc, self.min_sample_perc)
@@ -507,7 +572,7 @@ class BatchLossFilterCallback(LossFilterCallback):
 # %% ../nbs/01_callback.ipynb #255d746b
 @patch
 def _set_loss_filter(self:Learner, cb:LossFilterBase):
-    self.remove_cbs(self.cbs.filter(lambda o: isinstance(o, LossFilterBase)))
+    "Add `cb`, which replaces the filter the Learner had"
     return self.add_cb(cb)
 
 @patch

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch
 from .core import check_range, prune_at_random, select_at_random
-from .callback import LossFilterCallback
+from .callback import LossFilterCallback, _warn_no_op
 from .stale import SamplerPruningCallback
 
 # %% auto #0
@@ -17,9 +17,11 @@ class RandomPruningCallback(SamplerPruningCallback):
     "Control for sampler-level pruning: each pruned epoch trains on a uniformly random share `keep` of the data"
     def __init__(self,
                  keep:float=.7, # share of the dataset in each pruned epoch, in (0, 1]
-                 anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 lr_scale:bool=False): # raise the rate in a pruned epoch as `HideLearnedCallback` does: its control with the raise
         check_range('keep', keep, 0, 1, lo_open=True)
-        super().__init__(anneal=anneal)
+        if keep == 1: _warn_no_op(self, 'keep=1', 'leaves no example out of any epoch')
+        super().__init__(anneal=anneal, lr_scale=lr_scale)
         self.keep = keep
 
     def epoch_keep(self): return prune_at_random(len(self.table), self.keep, self.gen, self.table.device), None
@@ -33,6 +35,7 @@ class RandomBatchCallback(LossFilterCallback):
                  start:float=0., end:float=1., interrupt:int=0, skip_epochs:int=0, # the schedule of the filter it controls
                  fill_batch:bool=False): # pool kept examples into full batches, as the filter does
         check_range('keep', keep, 0, 1, lo_open=True)
+        if keep == 1: _warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch)
         self.keep = keep
 

@@ -4,24 +4,36 @@
 
 # %% ../nbs/00_core.ipynb #08d2c3b2
 from __future__ import annotations
-import functools, inspect, math
+import functools, inspect, math, numbers
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
 
 # %% auto #0
-__all__ = ['SCORES', 'check_range', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm', 'per_sample_grad_norm',
-           'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank', 'select_by_loss_share',
-           'prune_by_stale_loss', 'hide_learned', 'prune_at_random', 'select_at_random', 'check_schedule',
-           'should_select', 'dist_world', 'all_reduce_sum']
+__all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm',
+           'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank',
+           'select_by_loss_share', 'prune_by_stale_loss', 'hide_learned', 'prune_at_random', 'select_at_random',
+           'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
                 value:float, # the value to check
                 lo:float, hi:float, # the bounds
                 lo_open:bool=False, hi_open:bool=False): # whether a bound is excluded
-    "Raise a `ValueError` naming `name` unless `value` lies between `lo` and `hi`"
+    "Raise a `TypeError` naming `name` unless `value` is a real number (not a bool), a `ValueError` unless it lies between `lo` and `hi`"
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number in {rng}, got {value!r} of type {type(value).__name__}")
     ok = (lo < value if lo_open else lo <= value) and (value < hi if hi_open else value <= hi)
-    if not ok: raise ValueError(f"`{name}` must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {value!r}")
+    if not ok: raise ValueError(f"`{name}` must be in {rng}, got {value!r}")
+    return value
+
+def check_int(name:str, # the argument's name, used in the message
+              value:int, # the value to check
+              lo:int=0): # the least value allowed
+    "Raise a `TypeError` naming `name` unless `value` is an integer (not a bool), a `ValueError` unless it is at least `lo`"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an integer >= {lo}, got {value!r} of type {type(value).__name__}")
+    if value < lo: raise ValueError(f"`{name}` must be an integer >= {lo}, got {value!r}")
     return value
 
 # %% ../nbs/00_core.ipynb #df222411
@@ -301,12 +313,11 @@ def select_at_random(losses:Tensor, # per-example losses, shape `[n]` (only thei
 
 # %% ../nbs/00_core.ipynb #0b63721c
 def check_schedule(start:float, end:float, interrupt:int):
-    "Raise a `ValueError` naming the argument when `start`, `end` or `interrupt` is out of range"
+    "Raise a `ValueError` (or a `TypeError`, for a wrong type) naming the argument when `start`, `end` or `interrupt` is out of range"
     check_range('start', start, 0, 1)
     check_range('end', end, 0, 1)
     if start > end: raise ValueError(f"`start` must be <= `end`, got start={start}, end={end}")
-    if isinstance(interrupt, bool) or not isinstance(interrupt, int) or interrupt < 0:
-        raise ValueError(f"`interrupt` must be an integer >= 0, got {interrupt!r}")
+    check_int('interrupt', interrupt)
 
 def should_select(pct_train:float, # fraction of training done, in [0, 1)
                   batch_idx:int, # index of the batch in its epoch

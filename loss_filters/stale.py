@@ -11,26 +11,28 @@ from fastai.learner import Learner
 from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, check_range, dist_world, all_reduce_sum
-from .callback import LossFilterBase, plain
+from .callback import LossFilterBase, plain, _warn_no_op
 
 # %% auto #0
-__all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'anneals', 'HideLearnedCallback']
+__all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals',
+           'HideLearnedCallback']
 
 # %% ../nbs/05_stale.ipynb #d83c4f1e
 class SamplerPruningCallback(LossFilterBase):
     "Base of the sampler-level pruners: before each epoch `epoch_keep` picks the examples the epoch trains on; no scoring pass"
     def __init__(self,
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 score:str='loss'): # what each step records per example: 'loss' or 'grad_norm' at the model's output
+                 score:str='loss', # what each step records per example: 'loss' or 'grad_norm' at the model's output
+                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
         check_range('anneal', anneal, 0, 1)
         super().__init__(score=score)
-        self.anneal = anneal
+        store_attr('anneal,lr_scale')
 
     def epoch_keep(self) -> tuple:
         "The policy: `(keep, weights)` for a pruned epoch, a bool mask over the dataset and per-example loss weights (or None)"
         raise NotImplementedError
 
-    _local_sums = ('_loss_sum', '_n_loss')   # the other counts come from the shared table: the same on every rank
+    _local_sums = ('n_seen', 'n_trained', '_loss_sum', '_n_loss')   # the stale-loss sums come from the shared table
     same_count = True   # every rank trains equal batches
     _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
 
@@ -39,9 +41,11 @@ class StaleLossPruningCallback(SamplerPruningCallback):
     def __init__(self,
                  prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 score:str='loss'): # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
+                 score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
+                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
         check_range('prune', prune, 0, 1, hi_open=True)
-        super().__init__(anneal=anneal, score=score)
+        if prune == 0: _warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
+        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
         self.prune = prune
 
     def epoch_keep(self):
@@ -77,7 +81,8 @@ _epoch_attrs = ('get_idxs', 'chunkify', 'sample')   # what an epoch sets on the 
 
 @patch
 def _restore(self:SamplerPruningCallback):
-    "Give the training loader back its own order, batching and length"
+    "Give the training loader back its own order, batching and length, and the optimiser its scheduled rate"
+    LossFilterBase._restore(self)
     saved = getattr(self, '_saved', None)
     if saved is None: return
     dl, inner, n = saved
@@ -119,11 +124,24 @@ def rank_share(order:Tensor, rank:int, world_size:int, bs:int, drop_last:bool) -
     share = padded.view(world_size, -1)[rank]
     return share[:len(share) // bs * bs] if drop_last else share
 
+def plain_epoch_size(n:int, # items the loader draws in an epoch (its `n`)
+                     bs:int, # its batch size
+                     drop_last:bool, # whether it drops a partial last batch
+                     world_size:int=1) -> int: # processes, each with its equal share (padded as `DistributedDL` pads)
+    "Examples one process trains on in a plain epoch of the loader: its share, less a partial last batch under `drop_last`"
+    share = -(-n // world_size)
+    return share // bs * bs if drop_last else share
+
 def anneals(epoch:int, # the epoch, from 0
             n_epoch:int, # epochs in the fit
             anneal:float) -> bool: # share of training at the end that uses all data
     "Whether `epoch` starts in the last `anneal` share of training: `anneal=k/n_epoch` anneals exactly the last `k` epochs"
     return epoch >= n_epoch * (1 - anneal) - 1e-9   # the tolerance absorbs rounding: 9 * (1 - 1/3) is 6.000000000000001
+
+def _not_one(m:Tensor) -> Tensor:
+    "The keep mask `m` of one batch, keeping one more of its examples where it would keep a single one of several"
+    if len(m) > 1 and int(m.sum()) == 1: m = m.clone(); m[int((~m).nonzero()[0])] = True
+    return m
 
 @patch
 def _epoch_batches(self:SamplerPruningCallback, inner, keep:Tensor) -> tuple:
@@ -133,10 +151,13 @@ def _epoch_batches(self:SamplerPruningCallback, inner, keep:Tensor) -> tuple:
     bs, kept = inner.bs, keep.cpu()
     if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
         order = own[kept[own]]
-        return order, [min(bs, len(order) - i) for i in range(0, len(order), bs)]
+        if not inner.drop_last and len(order) % bs == 1 and 1 < bs and len(order) < len(own):   # no last batch of one
+            order = torch.cat([order, own[~kept[own]][:1]])
+        end = len(order) // bs * bs if inner.drop_last else len(order)   # the loader drops a partial last batch itself
+        return order, [min(bs, end - i) for i in range(0, end, bs)]
     batches = [own[i:i + bs] for i in range(0, len(own), bs)]
     if inner.drop_last and batches and len(batches[-1]) < bs: batches = batches[:-1]
-    batches = [b[kept[b]] for b in batches]
+    batches = [b[_not_one(kept[b])] for b in batches]
     batches = [b for b in batches if len(b)]
     return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
 
@@ -160,7 +181,8 @@ def before_train(self:SamplerPruningCallback):
     else: inner.n = world * len(self.rank_order)
     self.trained = torch.zeros(n, dtype=torch.bool, device=keep.device)
     known = self.table.isfinite()
-    self.n_seen, self.n_kept = n, len(self.epoch_order)
+    self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
+    self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
     if not full and known.any():
         self.n_scored = int(known.sum())
         self._loss_scored, self._loss_kept = self.table[known].sum(), self.table[known & keep].sum()
@@ -175,12 +197,16 @@ def after_loss(self:SamplerPruningCallback):
     else:
         with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, pred, *yb)
     self.table[idx], self.trained[idx] = scores, True
+    self.n_trained += len(idx); self.fit_trained += len(idx)
     self.hist.add(scores, self.train_iter)
     self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
     if self.weights is not None:   # the policy's loss weights for this epoch
         w = self.weights[idx].to(losses.dtype)
         reduce = torch.sum if getattr(self.score_func, 'reduction', 'mean') == 'sum' else torch.mean
         self.learn.loss_grad = reduce(losses * w)
+
+@patch
+def _lr_factor(self:SamplerPruningCallback) -> float: return self._lr_mult
 
 @patch
 def _share_table(self:SamplerPruningCallback):
@@ -213,9 +239,9 @@ def plot_kept(self:SamplerPruningCallback, ax=None):
     return ax.figure
 
 @patch
-def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss'):
+def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss', lr_scale:bool=False):
     "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
-    cb = StaleLossPruningCallback(prune, anneal, score)
+    cb = StaleLossPruningCallback(prune, anneal, score, lr_scale)
     return self._set_loss_filter(cb)
 
 # %% ../nbs/05_stale.ipynb #f3a1c2d5
@@ -224,12 +250,13 @@ class HideLearnedCallback(SamplerPruningCallback):
     def __init__(self,
                  max_hide:float=.3, # most of the dataset hidden in an epoch, as a share, in [0, 1)
                  confidence:float=.9, # hide only examples whose last loss is at most `-log(confidence)`, in (0, 1]
-                 lr_scale:bool=True, # in a pruned epoch, raise the learning rate by `n/kept` for its fewer steps
+                 lr_scale:bool=True, # in a pruned epoch, raise the learning rate by `n/kept` for its fewer steps (KAKURENBO)
                  anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
         check_range('max_hide', max_hide, 0, 1, hi_open=True)
         check_range('confidence', confidence, 0, 1, lo_open=True)
-        super().__init__(anneal=anneal)
-        store_attr('max_hide,confidence,lr_scale')
+        if max_hide == 0: _warn_no_op(self, 'max_hide=0', 'hides no example from any epoch')
+        super().__init__(anneal=anneal, lr_scale=lr_scale)
+        store_attr('max_hide,confidence')
 
     def _new_records(self):
         super()._new_records()
@@ -241,15 +268,8 @@ class HideLearnedCallback(SamplerPruningCallback):
         self.hidden = ~keep
         return keep, None
 
-    def before_step(self):
-        if self.lr_scale and self.n_kept < self.n_seen:
-            self._lrs = [h['lr'] for h in self.opt.hypers]
-            self.opt.set_hyper('lr', [lr * self.n_seen / self.n_kept for lr in self._lrs])
-    def after_step(self): self._lr_back()
-    def _lr_back(self):
-        "The scheduled learning rates back in the optimiser"
-        lrs, self._lrs = getattr(self, '_lrs', None), None
-        if lrs is not None: self.opt.set_hyper('lr', lrs)
-    def _restore(self):
-        super()._restore()
-        self._lr_back()
+@patch
+def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, lr_scale:bool=True, anneal:float=.125):
+    "Hide the examples learned with confidence from each epoch, with a raised rate for its fewer steps (`HideLearnedCallback`)"
+    return self._set_loss_filter(HideLearnedCallback(max_hide, confidence, lr_scale, anneal))
+

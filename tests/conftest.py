@@ -10,13 +10,13 @@ class ItemList(list):
     def __init__(self, items, n_inp=1): super().__init__(items); self.n_inp = n_inp
     def new_empty(self): return ItemList([], self.n_inp)
 
-def make_dls(xs, ys, bs=64, valid_pct=.25, seed=0, n_inp=None):
-    "fastai DataLoaders from tensors; `xs`/`ys` may be tuples for several inputs/targets"
+def make_dls(xs, ys, bs=64, valid_pct=.25, seed=0, n_inp=None, **kw):
+    "fastai DataLoaders from tensors; `xs`/`ys` may be tuples for several inputs/targets; `kw` to `from_dsets` (`drop_last`)"
     xs, ys = (xs if isinstance(xs, tuple) else (xs,)), (ys if isinstance(ys, tuple) else (ys,))
     n = len(ys[0]); perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)); cut = int(n * (1 - valid_pct))
     items = list(zip(*xs, *ys))
     ds = lambda idx: ItemList([items[i] for i in idx], n_inp=len(xs))
-    return DataLoaders.from_dsets(ds(perm[:cut]), ds(perm[cut:]), bs=bs, device='cpu')
+    return DataLoaders.from_dsets(ds(perm[:cut]), ds(perm[cut:]), bs=bs, device='cpu', **kw)
 
 @pytest.fixture(scope='session')
 def digits():

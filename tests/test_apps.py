@@ -63,11 +63,11 @@ def small_cnn(n_out, seg=False):
     head = [nn.Conv2d(16, n_out, 1)] if seg else [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(16, n_out)]
     return nn.Sequential(*body, *head)
 
-def image_dls(image_dir, blocks, get_y, bs=16):
+def image_dls(image_dir, blocks, get_y, bs=16, **kw):
     root, _ = image_dir
     files = sorted(root.glob('*.png'), key=lambda p: int(p.stem))
     return DataBlock(blocks=blocks, get_y=get_y, splitter=lambda items: (list(range(90)), list(range(90, len(items))))
-                    ).dataloaders(files, bs=bs, device='cpu', num_workers=0)
+                    ).dataloaders(files, bs=bs, device='cpu', num_workers=0, **kw)
 
 @pytest.fixture(scope='module')
 def text_df():
@@ -81,8 +81,8 @@ def text_df():
         rows.append((' '.join(toks), 'pos' if lab else 'neg'))
     return pd.DataFrame(rows, columns=['text', 'label'])
 
-def text_learner(df):
-    dls = TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=.25, seed=0, bs=16, device='cpu')
+def text_learner(df, **kw):
+    dls = TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=.25, seed=0, bs=16, device='cpu', **kw)
     cfg = dict(emb_sz=32, n_hid=48, n_layers=2)   # small; `drop_mult=0` would hit a fastai bug (weight_p=0 breaks `WeightDropout`)
     return text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=cfg, drop_mult=.1, metrics=accuracy)
 
@@ -131,16 +131,23 @@ def test_multi_label(image_dir, name, score):
     _, xb, yb = learn.after.batches[-1]
     assert type(xb[0]) is TensorImage and type(yb[0]) is TensorMultiCategory   # the trained batch keeps fastai's types
 
-@pytest.mark.parametrize('name', FILTERS)
-def test_tabular(name):
+def tabular_df(n=600):
     rng = np.random.RandomState(0)
-    n = 600
     df = pd.DataFrame(dict(a=rng.randn(n), b=rng.randn(n), c=rng.choice(list('xyz'), n)))
     df['y'] = ((df.a + df.b + (df.c == 'x')) > .5).map({True: 'hi', False: 'lo'})
-    set_seed(0)
+    return df
+
+def tab_learner(df, **kw):
+    "A `tabular_learner` on the first 450 rows, validated on the rest (a partial last batch of 2 at bs=64)"
     dls = TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a', 'b'],
-                                     y_names='y', valid_idx=list(range(450, n)), bs=64, device='cpu')
-    learn = tabular_learner(dls, layers=[32], n_out=2, metrics=accuracy).add_cb(FILTERS[name]())   # n_out: fastai's guess fails on pandas 3
+                                     y_names='y', valid_idx=list(range(450, len(df))), bs=64, device='cpu', **kw)
+    return tabular_learner(dls, layers=[32], n_out=2, metrics=accuracy)   # n_out: fastai's guess fails on pandas 3
+
+@pytest.mark.parametrize('name', FILTERS)
+def test_tabular(name):
+    df = tabular_df()
+    set_seed(0)
+    learn = tab_learner(df).add_cb(FILTERS[name]())
     check_fit(learn, name, n=4, lr=1e-2)
 
 @pytest.mark.parametrize('name', FILTERS)

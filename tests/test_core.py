@@ -185,10 +185,13 @@ def test_should_select_truth_table_by_hand():
         (.6, 1, .5, .9, 3, True), (.0, 0, 0., 1., 1, False), (.0, 0, 0., 1., 0, True), (.3, 0, .3, .3, 0, False)]
     for pct, b, s, e, i, exp in rows: assert should_select(pct, b, s, e, i) is exp, (pct, b, s, e, i)
 
-@pytest.mark.parametrize('args,msg', [((-.1, .9, 2), '`start`'), ((.5, 1.2, 2), '`end`'), ((.9, .5, 2), '`start` must be <= `end`'),
-                                      ((.5, .9, -1), '`interrupt`'), ((.5, .9, 1.5), '`interrupt`'), ((.5, .9, True), '`interrupt`')])
-def test_check_schedule(args, msg):
-    with pytest.raises(ValueError, match=msg): check_schedule(*args)
+@pytest.mark.parametrize('args,err,msg', [((-.1, .9, 2), ValueError, '`start`'), ((.5, 1.2, 2), ValueError, '`end`'),
+                                          ((.9, .5, 2), ValueError, '`start` must be <= `end`'), ((.5, .9, -1), ValueError, '`interrupt`'),
+                                          ((.5, .9, 1.5), TypeError, '`interrupt` must be an integer'),
+                                          ((.5, .9, True), TypeError, '`interrupt` must be an integer'),
+                                          (('.5', .9, 2), TypeError, '`start` must be a real number')])
+def test_check_schedule(args, err, msg):
+    with pytest.raises(err, match=msg): check_schedule(*args)
 
 # ---------------------------------------------------------------- per_sample_loss
 @pytest.fixture

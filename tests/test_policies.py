@@ -83,7 +83,7 @@ def test_hide_trains_all_but_the_most_confident_and_never_the_same_twice_running
         assert set(seen.tolist()) <= kept and len(seen) == len(kept) // 32 * 32   # `drop_last`: the part-batch at the end goes
         assert int((~expect).sum()) == k and not (hidden & ~expect).any()   # the cap, and no example hidden twice running
         hidden = ~expect
-        assert all(lr == pytest.approx(1e-2 * n / (n - k)) for e, lr in lrs.lrs if e == ep)   # fewer steps, a larger rate
+        assert all(lr == pytest.approx(1e-2 * n / len(seen)) for e, lr in lrs.lrs if e == ep)   # fewer steps, a larger rate
     assert all(lr == pytest.approx(1e-2) for e, lr in lrs.lrs if e == 0)
     assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-2)              # the scheduled rate is back after each step
 
