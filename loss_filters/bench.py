@@ -14,17 +14,17 @@ from fastai.callback.progress import ProgressCallback   # also patches `Learner.
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
 from .callback import *
-from .stale import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback
+from .stale import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback, plain_epoch_size
 from .controls import RandomPruningCallback, RandomBatchCallback
 from .data import load_dls, simple_cnn, simple_mlp, CropFlip
 from .models import WideResNet
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'PRESETS', 'MODELS', 'RUN_SETTINGS', 'make_model', 'parse_method', 'valid_accuracy',
-           'fit_scored', 'EpochClock', 'plain_epoch_examples', 'lr_multiplier', 'run_method', 'time_to_target',
-           'add_work', 'summarise', 'format_table', 'plot_results', 'plain_step_seconds', 'measure_score_cost',
-           'profile_step', 'budget_specs', 'matched_control', 'rate_control', 'best_plain', 'add_verdicts',
-           'plot_budget', 'verdict_lines', 'lf_bench', 'main']
+           'fit_scored', 'EpochClock', 'run_method', 'time_to_target', 'add_work', 'summarise', 'format_table',
+           'plot_results', 'plain_step_seconds', 'measure_score_cost', 'profile_step', 'budget_specs',
+           'matched_control', 'rate_control', 'best_plain', 'add_verdicts', 'plot_budget', 'verdict_lines', 'lf_bench',
+           'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 _gn = dict(score='grad_norm')
@@ -97,19 +97,13 @@ class EpochClock(Callback):
     "Training seconds, work and validation results at every epoch end (and `evals_per_epoch - 1` times inside)"
     order = 70   # after the Recorder has the epoch's values
     def __init__(self, evals_per_epoch:int=1): self.evals_per_epoch = evals_per_epoch
-    def before_fit(self): self.train_s, self.t_fit, self.history, self.lrs, self.__dict__['trained'] = 0., time.perf_counter(), [], [], 0
+    def before_fit(self): self.train_s, self.t_fit, self.history, self.__dict__['trained'] = 0., time.perf_counter(), [], 0
     def before_train(self): _sync(); self.t0 = time.perf_counter()
     def after_train(self): _sync(); self.train_s += time.perf_counter() - self.t0
     def after_loss(self):
         "Count the examples of every training step (a batch a filter cancels never gets here)"
         if self.training: self.__dict__['trained'] += find_bs(self.learn.yb)   # past `Callback.__setattr__`: per batch
     def _work(self) -> dict: return dict(trained=self.trained, scored=fit_scored(self.learn))
-    def before_step(self):
-        "The rate this step really uses (after any raise a filter applies before the step)"
-        self.__dict__['_lr_used'] = self.learn.opt.hypers[-1]['lr']
-    def after_step(self):
-        "... and the scheduled one, which a filter that raised it has put back by now"
-        self.lrs.append((self.learn.train_iter, self._lr_used, self.learn.opt.hypers[-1]['lr']))
     def after_batch(self):
         if not self.training or self.evals_per_epoch < 2: return
         k, n = self.evals_per_epoch, self.n_iter
@@ -127,14 +121,6 @@ class EpochClock(Callback):
 
 # %% ../nbs/03_bench.ipynb #5a924cac
 def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_' for c in spec)
-
-def plain_epoch_examples(dl) -> int:
-    "Examples one plain epoch of the training loader `dl` trains on: its whole length, less a dropped last part-batch"
-    return dl.n // dl.bs * dl.bs if dl.drop_last else dl.n
-
-def lr_multiplier(lrs:list) -> float:
-    "Mean over training steps of the rate a step used over the scheduled rate: 1 for a method that leaves the rate alone"
-    return statistics.fmean(u / s for _, u, s in lrs if s > 0) if lrs else 1.
 
 def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str='cnn', show_progress:bool=True,
                diag:Path|None=None, evals_per_epoch:int=1) -> dict:
@@ -154,8 +140,8 @@ def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str
     diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(name)}.png') if diag is not None and filt is not None else None
     return dict(diagnostics=diag, method=name, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
                 final_accuracy=h[-1]['accuracy'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
-                trained=h[-1]['trained'], scored=h[-1]['scored'], plain_epoch=plain_epoch_examples(dls.train),
-                lr_mult=lr_multiplier(clock.lrs), lrs=[[i, u] for i, u, _ in clock.lrs], history=h,
+                trained=h[-1]['trained'], scored=h[-1]['scored'], plain_epoch=plain_epoch_size(dls.train.n, dls.train.bs, dls.train.drop_last),
+                lr_mult=filt.mean_lr_mult if filt is not None else 1., history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
 
 # %% ../nbs/03_bench.ipynb #c7872268

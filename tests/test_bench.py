@@ -94,7 +94,7 @@ def test_console_script_exits_zero(tmp_path):
     "The installed script runs a tiny bench and exits 0 (a returned value would become exit status 1)"
     script = Path(sys.executable).parent / 'lf_bench'
     r = subprocess.run([str(script), '--data', 'digits', '--epochs', '1', '--bs', '128', '--methods', 'baseline blf', '--quiet',
-                        '--out', str(tmp_path)], capture_output=True, text=True, timeout=300)
+                        '--out', str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'final_accuracy' in r.stdout and (tmp_path / 'results.json').exists()
 
@@ -141,7 +141,7 @@ def test_models_option(tmp_path):
 def long_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('long')
     res = lf_bench(data='digits', preset='long', epochs=4, seeds=2, bs=64, n_train=1000, out=str(out), quiet=True,
-                   methods='baseline blf:skip_epochs=0 stale')
+                   methods='baseline blf:skip_epochs=0 stale hide:confidence=.2')
     return out, res
 
 def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
@@ -150,19 +150,28 @@ def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2
     assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3']
     ctl = saved['controls']['random']
-    assert ctl['blf:skip_epochs=0'].startswith('random_batch:keep=') and ctl['stale'].startswith('random:keep=')
+    assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and ctl['stale'] == [ctl['stale'][0]]
+    assert ctl['stale'][0].startswith('random:keep=') and 'lr_scale' not in ctl['stale'][0]
+    # hide raises the rate: its random control raises it too, and the plain baseline runs at its mean multiplier
+    hide_rand, hide_rate = ctl['hide:confidence=.2']
+    assert hide_rand.startswith('random:keep=') and hide_rand.endswith(',lr_scale=1') and hide_rate.startswith('baseline:lr_mult=')
     by = {r['method']: r for r in saved['summary']}
-    assert set(by) == {'baseline', 'blf:skip_epochs=0', 'stale', 'baseline:epochs=2', 'baseline:epochs=3', *ctl.values()}
-    for m in ('blf:skip_epochs=0', 'stale'):
+    assert set(by) == {'baseline', 'blf:skip_epochs=0', 'stale', 'hide:confidence=.2', 'baseline:epochs=2', 'baseline:epochs=3',
+                       *(c for cs in ctl.values() for c in cs)}
+    assert float(hide_rate.split('=')[1]) == pytest.approx(by['hide:confidence=.2']['lr_mult'], abs=1e-3) and by[hide_rate]['lr_mult'] == 1
+    assert by[hide_rand]['lr_mult'] > 1
+    for m in ('blf:skip_epochs=0', 'stale', 'hide:confidence=.2'):
         r = by[m]
-        for k in ('train_s', 'target_x', 'total_x', 'final_accuracy', 'final_accuracy_spread', 'mean_samp_perc'): assert k in r, k
+        for k in ('train_s', 'target_x', 'total_x', 'work', 'work_x', 'work_total_x', 'vs_best_plain_x', 'vs_best_plain_work_x',
+                  'final_accuracy', 'final_accuracy_spread', 'mean_samp_perc'): assert k in r, k
         assert r['repeats'] == 2                                           # one run per seed
-        assert r['vs_random']['control'] == ctl[m] and r['vs_random']['verdict'] in ('beats', 'loses', 'no difference')
-        assert math.isclose(r['vs_random']['diff'], r['final_accuracy'] - by[ctl[m]]['final_accuracy'])
+        assert r['vs_random']['control'] == ctl[m][0] and r['vs_random']['verdict'] in ('beats', 'loses', 'no difference')
+        assert math.isclose(r['vs_random']['diff'], r['final_accuracy'] - by[ctl[m][0]]['final_accuracy'])
         if 'vs_budget' in r: assert r['vs_budget']['verdict'] in ('beats', 'loses', 'no difference')
     # the random controls kept the share their method kept
-    keep = float(ctl['stale'].split('keep=')[1].split(',')[0])
-    assert by[ctl['stale']]['mean_samp_perc'] < 1 and 0 < keep < 1
+    keep = float(ctl['stale'][0].split('keep=')[1].split(',')[0])
+    assert by[ctl['stale'][0]]['mean_samp_perc'] < 1 and 0 < keep < 1
+    assert by['baseline:epochs=2']['work'] == 2 and by['baseline']['work'] == 4 and saved['score_cost'] > 0
     assert {r['seed'] for r in saved['runs']} == {0, 1}
     assert (out / 'accuracy_vs_budget.png').stat().st_size > 10_000
 
@@ -189,7 +198,7 @@ def test_console_script_long_preset_runs_the_controls(tmp_path):
     script = Path(sys.executable).parent / 'lf_bench'
     r = subprocess.run([str(script), '--data', 'digits', '--preset', 'long', '--epochs', '2', '--bs', '128',   # no `_` options:
                         '--methods', 'baseline stale', '--quiet', '--out', str(tmp_path)],     # fastcore 2 spells them with `-`
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['preset'] == 'long' and saved['controls']['budgets'] == ['baseline:epochs=1']
@@ -203,9 +212,10 @@ def digits64():
 
 def test_work_counts_every_trained_example_exactly(digits64):
     "A plain epoch is one unit of work; a batch control keeping 32 of every 64 in its filtered epoch adds exactly that share"
-    from loss_filters.bench import run_method, add_work, plain_epoch_examples
+    from loss_filters.bench import run_method, add_work
+    from loss_filters.stale import plain_epoch_size
     dl = digits64.train
-    n_b, plain = len(dl), plain_epoch_examples(dl)
+    n_b, plain = len(dl), plain_epoch_size(dl.n, dl.bs, dl.drop_last)
     assert plain == n_b * 64 and plain == dl.n // 64 * 64                 # `drop_last`: the part-batch is not trained
     base = add_work(run_method(digits64, 'baseline', epochs=2, show_progress=False), score_cost=.25)
     assert base['trained'] == 2 * plain and base['scored'] == 0 and base['work'] == 2.
@@ -258,12 +268,14 @@ def test_rate_changing_methods_get_rate_matched_controls():
     assert rate_control('stale', [dict(method='stale', lr_mult=1.)]) is None
     assert matched_control('stale', [dict(method='stale', history=[dict(samp_perc=.5)], kept=[])]) == 'random:keep=0.500,anneal=0.125'
 
-def test_lr_mult_setting_and_the_rate_record(digits64):
-    from loss_filters.bench import run_method, lr_multiplier
+def test_lr_mult_setting_and_the_rate_a_method_used(digits64):
+    from loss_filters.bench import run_method
     r = run_method(digits64, 'baseline:lr_mult=2', epochs=1, lr=1e-3, show_progress=False)
-    assert r['lr'] == pytest.approx(2e-3) and r['lr_mult'] == pytest.approx(1.)
-    assert 1.8e-3 < max(u for _, u in r["lrs"]) <= 2e-3 * (1 + 1e-9)   # one-cycle peaks near the run's rate
-    assert lr_multiplier([(0, 2., 1.), (1, 3., 2.)]) == pytest.approx(1.75)
+    assert r['lr'] == pytest.approx(2e-3) and r['lr_mult'] == 1.
+    hide = run_method(digits64, 'random:keep=.5,anneal=0,lr_scale=1', epochs=2, lr=1e-3, show_progress=False)
+    # the raise is n/kept in the pruned epoch, none in the first: the mean over the steps of both epochs
+    n1, n2 = 22, round(22 * hide['history'][1]['samp_perc'])
+    assert hide['lr_mult'] == pytest.approx((n1 + n2 / hide['history'][1]['samp_perc']) / (n1 + n2), rel=.02) and hide['lr_mult'] > 1.3
     with pytest.raises(ValueError, match='`lr_mult`'): parse_method('baseline:lr_mult=0')
 
 def test_never_filtered_rows_are_marked():
@@ -280,7 +292,7 @@ def test_console_script_takes_both_option_spellings(tmp_path, spelling):
     opt = lambda o: o.replace('_', '-') if '-' in spelling[2:] else o
     r = subprocess.run([str(script), '--data', 'digits', '--epochs', '1', spelling, '300', opt('--evals_per_epoch'), '2',
                         opt('--score_cost') + '=.5', '--methods', 'baseline', '--quiet', '--out', str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['n_train'] == 300 and saved['evals_per_epoch'] == 2 and saved['score_cost'] == .5
