@@ -4,11 +4,11 @@
 
 # %% ../nbs/03_bench.ipynb #e924eed7
 from __future__ import annotations
-import functools, json, math, platform, random, statistics, sys, time
+import json, math, platform, random, statistics, sys, time
 from pathlib import Path
 import torch
 from torch import nn
-from fastcore.script import call_parse
+from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
@@ -574,12 +574,9 @@ def _spelled_for(parser, argv:list) -> list:
         return known.get(name.replace('-', '_'), a) + eq + val
     return [fix(a) for a in argv]
 
-@functools.wraps(lf_bench)
-def _cli(*args, **kwargs): lf_bench(*args, **kwargs)
-_cli = call_parse(_cli)
-
 def main():
     "The `lf_bench` console script: options spelled `--n_train` or `--n-train` under any fastcore; exit status 0"
-    from fastcore.script import anno_parser
-    sys.argv[1:] = _spelled_for(anno_parser(lf_bench), sys.argv[1:])
-    _cli()
+    p = anno_parser(lf_bench)
+    args = vars(p.parse_args(_spelled_for(p, sys.argv[1:])))
+    for k in ('pdb', 'xtra'): args.pop(k, None)   # fastcore's own options
+    lf_bench(**args)
