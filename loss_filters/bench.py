@@ -39,7 +39,7 @@ DEFAULT_METHODS = 'baseline blf sb stale'
 # for the baseline to plateau), with both controls beside every method.
 PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, n_train=None, n_valid=None,
                           methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
-               long=dict(epochs=20, evals_per_epoch=2, augment=True, controls=True, lr=3e-3, n_train=10_000, n_valid=5_000,
+               long=dict(epochs=30, evals_per_epoch=1, augment=True, controls=True, lr=3e-3, n_train=10_000, n_valid=5_000,
                          methods=DEFAULT_METHODS + ' hide', budgets='.5 .7 .85'))
 
 MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
@@ -516,6 +516,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed)
     if pre['augment']: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    (out / 'runs.jsonl').unlink(missing_ok=True)
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}")
     run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, model=model, show_progress=False)   # warm-up, not reported
@@ -531,6 +532,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
                     runs.append(add_work(run_method(dls, s, epochs=epochs, lr=lr, seed=sd, model=model, show_progress=not quiet,
                                                     diag=out if first and what == '' else None, evals_per_epoch=evals_per_epoch)
                                          | dict(repeat=rep, seed=sd), cost))
+                    with open(out / 'runs.jsonl', 'a') as f: f.write(json.dumps(runs[-1]) + '\n')   # a long run's progress, kept
     run_all(specs, '')
     budget_runs, control_of = [], {}
     if controls:   # after the methods: a random control needs the share its method really kept, a rate control its rate

@@ -147,7 +147,7 @@ def long_run(tmp_path_factory):
 def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     out, res = long_run
     saved = json.loads((out / 'results.json').read_text())
-    assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2
+    assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 1
     assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3']
     ctl = saved['controls']['random']
     assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and ctl['stale'] == [ctl['stale'][0]]
