@@ -338,8 +338,9 @@ def _fold_epoch(self:LossFilterBase):
         ls, ns = zip(*self._plain_losses)
         per = torch.stack([l.float() for l in ls]).to(_acc_dtype(ls[0]))
         sizes = per.new_tensor(ns)
-        self._loss_sum = self._loss_sum + (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
-        self._n_loss += sum(ns)
+        total = (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
+        self._loss_sum, self._n_loss = self._loss_sum + total, self._n_loss + sum(ns)
+        self._loss_kept, self._loss_scored = self._loss_kept + total, self._loss_scored + total   # trained in full
     if not self._batches: return
     its, losses, scores, idxs = zip(*self._batches)
     sizes, kept = [len(s) for s in scores], [len(i) for i in idxs]
@@ -351,8 +352,9 @@ def _fold_epoch(self:LossFilterBase):
     ok, acc = scores.isfinite(), _acc_dtype(scores)   # sums in float64: a kept share never exceeds 1 by rounding
     fin = torch.where(ok, scores, 0.).to(acc)
     total, kept_sum = _segment_sum(fin, seg, nb), _segment_sum(fin * mask, seg, nb)
-    full = _segment_sum(torch.where(losses.isfinite(), losses, 0.).to(acc), seg, nb)
-    self._loss_kept, self._loss_scored = self._loss_kept + kept_sum.sum(), self._loss_scored + total.sum()
+    lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
+    full = _segment_sum(lfin, seg, nb)
+    self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
     self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
     self._n_bad = self._n_bad + (~ok).sum()
     share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
@@ -406,7 +408,7 @@ def after_train(self:LossFilterBase):
     self._reduce_sums()
     scored = float(self._loss_scored)
     self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=min(1., self.n_trained / self.n_seen) if self.n_seen else 1.,
-                                 loss_perc=min(1., float(self._loss_kept) / scored) if self.n_scored and scored > 0 else 1.,
+                                 loss_perc=min(1., float(self._loss_kept) / scored) if scored > 0 else 1.,
                                  full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
                                  iter0=self.iter0, n_iter=self.train_iter - self.iter0))
     n_bad = int(self._n_bad)

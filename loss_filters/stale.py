@@ -183,9 +183,15 @@ def before_train(self:SamplerPruningCallback):
     known = self.table.isfinite()
     self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
     self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
-    if not full and known.any():
-        self.n_scored = int(known.sum())
-        self._loss_scored, self._loss_kept = self.table[known].sum(), self.table[known & keep].sum()
+    if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
+
+@patch
+def _stale_shares(self:SamplerPruningCallback, known:Tensor, world:int, size:int, inner):
+    "`loss_perc`'s sums: the stale loss of the examples the epoch trains, over a plain epoch's (an unknown loss counts as the mean)"
+    stale = torch.where(known, self.table, self.table[known].mean())
+    trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
+    self.n_scored = int(known.sum())
+    self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
 
 # %% ../nbs/05_stale.ipynb #b2aad269
 @patch
