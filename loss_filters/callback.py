@@ -112,7 +112,7 @@ class LossFilterCallback(LossFilterBase):
                  end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
                  interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
                  scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
-                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered
+                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered (`fine_tune` runs two fits)
                  fill_batch:bool=False, # pool kept examples and train only on full batches
                  score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
                  score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
@@ -239,10 +239,33 @@ def _new_records(self:LossFilterBase):
 @patch
 def after_fit(self:LossFilterBase): self._restore()
 
+@patch
+def _idle_reason(self:LossFilterBase) -> str|None:
+    "Why the filter will not act in this fit, with the setting to change; None when it will act"
+
+@patch
+def _warn_if_idle(self:LossFilterBase):
+    "Say so, before the fit's first batch, when the fit is too short for the filter to act"
+    why = self._idle_reason()
+    if why: warnings.warn(f"{type(self).__name__} will not act in this fit of {self.learn.n_epoch} epoch(s): {why}", stacklevel=2)
+
+@patch
+def _idle_reason(self:LossFilterCallback) -> str|None:
+    "No epoch beyond `skip_epochs`, or no batch of the fit in the `start`-`end` window (past `interrupt`)"
+    n_epoch, n_iter = self.learn.n_epoch, len(self.learn.dls.train)
+    if n_epoch <= self.skip_epochs:
+        return (f"it leaves the first `skip_epochs={self.skip_epochs}` epoch(s) of each fit unfiltered (`fine_tune` runs two fits); "
+                f"fit more epochs or pass a smaller `skip_epochs`")
+    n = n_epoch * n_iter
+    first = max(self.skip_epochs * n_iter, math.ceil(self.start * n - 1e-9))
+    if any(should_select(i / n, i % n_iter, self.start, self.end, self.interrupt) for i in range(first, min(n, first + 2 * n_iter))): return
+    return (f"no batch of its {n} falls in the window `start={self.start}` to `end={self.end}`"
+            f"{f' with `interrupt={self.interrupt}`' if self.interrupt else ''}; widen the window")
+
 # %% ../nbs/01_callback.ipynb #47cce76e
 @patch
 def before_train(self:LossFilterBase):
-    if self._fresh: self._new_records()   # not in `before_fit`: `learn.validate()` would wipe the last fit's records
+    if self._fresh: self._new_records(); self._warn_if_idle()   # not in `before_fit`, which `learn.validate()` runs too
     self._fresh, self._training = False, True
     self._new_epoch()
 
@@ -557,11 +580,11 @@ class SelectiveBackpropCallback(LossFilterCallback):
 
 # %% ../nbs/01_callback.ipynb #f02cc611
 class BatchLossFilterCallback(LossFilterCallback):
-    "Batch Loss Filter: train on the highest-loss examples that carry `min_loss_perc` of each batch's loss"
+    "Batch Loss Filter: from epoch `skip_epochs` of each fit on, train on the highest-loss examples carrying `min_loss_perc` of each batch's loss"
     def __init__(self,
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
                  min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in (0, 1]
-                 skip_epochs:int=1, # like the original, leave the first epoch unfiltered
+                 skip_epochs:int=1, # like the original, leave the first epoch of each fit unfiltered: a 1-epoch fit (and both of `fine_tune(1)`'s) filters nothing, and says so
                  **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score`, `score_precision` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
         check_range('min_loss_perc', min_loss_perc, 0, 1, lo_open=True)   # 0 would train on one example a batch

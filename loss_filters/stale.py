@@ -68,6 +68,14 @@ def before_fit(self:SamplerPruningCallback):
         raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
 
 @patch
+def _idle_reason(self:SamplerPruningCallback) -> str|None:
+    "No pruned epoch: the first has no losses yet, and every later one anneals"
+    n = self.learn.n_epoch
+    if any(not anneals(e, n, self.anneal) for e in range(1, n)): return
+    if n == 1: return "its first epoch trains on all data, as it has no losses yet; fit more epochs"
+    return f"every epoch after the first anneals (trains on all data) with `anneal={self.anneal}`; fit more epochs or lower `anneal`"
+
+@patch
 def _new_records(self:SamplerPruningCallback):
     "Also an empty score table (NaN: not known yet) and the generator of the pruning draws, at a fit's first epoch"
     LossFilterBase._new_records(self)
