@@ -612,3 +612,20 @@ def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
     cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch, score, score_precision)
     return self._set_loss_filter(cb)
+
+# %% ../nbs/01_callback.ipynb #fe917d87
+_fastai_export = getattr(Learner.export, 'fastai_export', Learner.export)   # fastai's own, also when this module is run twice
+
+@patch
+def export(self:Learner, *args, **kwargs):
+    "Export for inference as fastai does, without the loss filter and its columns: `load_learner` then needs no `loss_filters`"
+    cbs, names = list(self.cbs), ('loss_filter', 'loss_filter_columns')
+    out = [cb for cb in cbs if isinstance(cb, (LossFilterBase, LossFilterColumns))]
+    attrs = {k: self.__dict__.pop(k) for k in names if k in self.__dict__}
+    for cb in out: self.cbs.remove(cb)
+    try: return _fastai_export(self, *args, **kwargs)
+    finally:
+        self.cbs = L(cbs)
+        self.__dict__.update(attrs)
+
+Learner.export.fastai_export = _fastai_export
