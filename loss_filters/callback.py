@@ -545,13 +545,26 @@ def plot_score_hist(self:LossFilterBase, axs=None):
     return axs[0].figure
 
 @patch
+def plot_lr(self:LossFilterBase, ax=None):
+    "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
+    ax, rec = _axes(ax), getattr(self, 'lr_stats', [])
+    its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
+    ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
+    ax.plot(its, used, '-', lw=1.2, label='used')
+    self._epoch_lines(ax)
+    ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
+    ax.legend(loc='best', fontsize='small')
+    _note_if_empty(ax, not rec, 'no step yet')
+    return ax.figure
+
+@patch
 def plot_diagnostics(self:LossFilterBase):
-    "Samples kept and score share kept per batch, and the score histogram heat maps, in one figure"
+    "Samples kept, score share kept and learning rate per batch, and the score histogram heat maps, in one figure"
     import matplotlib.pyplot as plt
-    fig = plt.figure(figsize=(12, 7), layout='constrained')
+    fig = plt.figure(figsize=(15, 7), layout='constrained')
     top, bottom = fig.subfigures(2, 1)
-    a, b = top.subplots(1, 2)
-    self.plot_kept(a); self.plot_loss_share(b)
+    a, b, c = top.subplots(1, 3)
+    self.plot_kept(a); self.plot_loss_share(b); self.plot_lr(c)
     self.plot_score_hist(bottom.subplots(1, 2, sharey=True))
     fig.suptitle(type(self).__name__)
     return fig

@@ -79,6 +79,7 @@ def _idle_reason(self:SamplerPruningCallback) -> str|None:
 def _new_records(self:SamplerPruningCallback):
     "Also an empty score table (NaN: not known yet) and the generator of the pruning draws, at a fit's first epoch"
     LossFilterBase._new_records(self)
+    self.prune_hist = []   # per pruned epoch, `hist_bins` counts of the kept and left-out stale scores: bounded memory
     dev = next(self.model.parameters()).device
     self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=dev)
     seed = torch.randint(2**62, (), dtype=torch.int64)                     # from the global RNG: `set_seed` reproduces it
@@ -200,6 +201,15 @@ def _stale_shares(self:SamplerPruningCallback, known:Tensor, world:int, size:int
     trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
     self.n_scored = int(known.sum())
     self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
+    self._record_decision(known, trained)
+
+@patch
+def _record_decision(self:SamplerPruningCallback, known:Tensor, trained:Tensor):
+    "Histogram counts of the known stale scores of the examples the epoch trains and of those it leaves out (one row an epoch)"
+    tr = torch.zeros_like(known); tr[trained.to(known.device)] = True
+    lo, hi = (math.log10(v) for v in self.hist_range)
+    count = lambda s: torch.histc(s.clamp(*self.hist_range).log10().float(), self.hist_bins, lo, hi).long().cpu()
+    self.prune_hist.append(dict(epoch=self.epoch, kept=count(self.table[known & tr]), left_out=count(self.table[known & ~tr])))
 
 # %% ../nbs/05_stale.ipynb #b2aad269
 @patch
@@ -245,12 +255,40 @@ def after_cancel_epoch(self:SamplerPruningCallback):
 # %% ../nbs/05_stale.ipynb #644a662b
 @patch
 def plot_kept(self:SamplerPruningCallback, ax=None):
-    "Share of the training set in each epoch"
+    "`samp_perc` of each epoch: the share of a plain epoch that got a backward pass"
+    from matplotlib.ticker import MaxNLocator
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([e['epoch'] for e in self.epoch_stats], [e['samp_perc'] for e in self.epoch_stats], 'o-')
-    ax.set(xlabel='epoch', ylabel='share of the data trained on', ylim=(0, 1.05), title=type(self).__name__)
+    stats = list(getattr(self, 'epoch_stats', []))
+    ax.plot([e['epoch'] for e in stats], [e['samp_perc'] for e in stats], 'o-')
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel='epoch', ylabel='share of a plain epoch trained', ylim=(0, 1.05), title='Share trained per epoch')
+    if not stats: ax.text(.5, .5, 'no epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
     return ax.figure
+
+@patch
+def plot_pruned_scores(self:SamplerPruningCallback, ax=None):
+    "Histogram of the stale scores of the examples the pruned epochs trained and of those they left out, summed over the epochs"
+    import matplotlib.pyplot as plt
+    if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
+    rows, edges = getattr(self, 'prune_hist', []), torch.logspace(*(math.log10(v) for v in self.hist_range), self.hist_bins + 1)
+    for k, c in (('kept', 'C0'), ('left_out', 'C3')):
+        counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
+        ax.stairs(counts.numpy(), edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
+    ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision', ylabel='examples',
+           title=f'What {len(rows)} pruned epoch(s) kept and left out')
+    ax.legend(loc='best', fontsize='small')
+    if not rows: ax.text(.5, .5, 'no pruned epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+    return ax.figure
+
+@patch
+def plot_diagnostics(self:SamplerPruningCallback):
+    "The share trained per epoch, the stale scores kept and left out, and the learning rate per step, in one figure"
+    import matplotlib.pyplot as plt
+    fig, axs = plt.subplots(1, 3, figsize=(15, 3.8), layout='constrained')
+    self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
+    fig.suptitle(type(self).__name__)
+    return fig
 
 @patch
 def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss', lr_scale:bool=False):
