@@ -5,7 +5,7 @@ from fastai.basics import Learner, Callback, accuracy, CrossEntropyLossFlat, set
 from fastai.callback.all import (GradientAccumulation, MixedPrecision, MixUp, CutMix, CSVLogger, SaveModelCallback,
                                  EarlyStoppingCallback, ShowGraphCallback)
 from loss_filters.core import select_by_loss_share
-from loss_filters.callback import *
+from loss_filters.batch import *
 from conftest import make_dls, mlp, bn_cnn, BatchSpy, ItemList, col
 
 def learner(dls, model, **kw):
@@ -249,7 +249,7 @@ def test_get_preds_and_validate_are_unfiltered(digits_dls):
     assert stats and cb.stats == stats and int(cb.hist.table()[0].sum()) == n_hist   # the fit's records are kept
 
 def test_gradient_accumulation_refused_under_several_processes(digits_dls, monkeypatch):
-    import loss_filters.callback as lfc
+    import loss_filters.batch as lfc
     monkeypatch.setattr(lfc, 'dist_world', lambda: (0, 2))                     # refused in `before_fit`, before any collective
     learn = learner(digits_dls, mlp(), cbs=[GradientAccumulation(n_acc=128), BatchLossFilterCallback()])
     with pytest.raises(ValueError, match='GradientAccumulation` with several processes'): fit(learn, 1)

@@ -5,8 +5,8 @@ from fastai.callback.all import GradientAccumulation
 from fastai.vision.all import ImageBlock, CategoryBlock
 from fastai.text.all import SortedDL
 from fastai.tabular.all import TabDataLoader
-from loss_filters.callback import SelectiveBackpropCallback, BatchLossFilterCallback
-from loss_filters.stale import HideLearnedCallback, StaleLossPruningCallback, plain_epoch_size, _keeps_batches
+from loss_filters.batch import SelectiveBackpropCallback, BatchLossFilterCallback
+from loss_filters.sampler import HideLearnedCallback, StaleLossPruningCallback, plain_epoch_size, _keeps_batches
 from loss_filters.controls import RandomPruningCallback, RandomBatchCallback
 from conftest import make_dls, mlp
 from test_apps import image_dir, text_df, image_dls, small_cnn, text_learner, tabular_df, tab_learner   # fixtures too

@@ -4,8 +4,8 @@ import matplotlib.pyplot as plt
 import numpy as np, pytest, torch
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, set_seed, find_bs
 import fastai.callback.all   # `no_bar`, `fit_one_cycle`
-from loss_filters.callback import BatchLossFilterCallback
-from loss_filters.stale import StaleLossPruningCallback, HideLearnedCallback
+from loss_filters.batch import BatchLossFilterCallback
+from loss_filters.sampler import StaleLossPruningCallback, HideLearnedCallback
 from loss_filters.controls import RandomPruningCallback
 from conftest import make_dls, mlp
 

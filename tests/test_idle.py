@@ -3,8 +3,8 @@ import warnings
 import pytest
 from fastai.basics import Learner, CrossEntropyLossFlat, accuracy, set_seed
 import fastai.callback.all   # `no_bar`, `fit_one_cycle`, `fine_tune`
-from loss_filters.callback import SelectiveBackpropCallback, BatchLossFilterCallback
-from loss_filters.stale import StaleLossPruningCallback, HideLearnedCallback
+from loss_filters.batch import SelectiveBackpropCallback, BatchLossFilterCallback
+from loss_filters.sampler import StaleLossPruningCallback, HideLearnedCallback
 from loss_filters.controls import RandomPruningCallback
 from conftest import mlp
 

@@ -7,8 +7,8 @@ from fastai.basics import Learner, Callback, CrossEntropyLossFlat, LabelSmoothin
 import fastai.callback.all   # the `no_bar`, `fit_one_cycle` patches
 from loss_filters.core import (per_sample_grad_norm, loss_and_grad_norm, loss_and_score, check_score, per_sample_loss,
                                select_by_loss_share, ScoreHistogram, _plain_ce)
-from loss_filters.callback import *
-from loss_filters.stale import StaleLossPruningCallback
+from loss_filters.batch import *
+from loss_filters.sampler import StaleLossPruningCallback
 from conftest import make_dls, mlp, BatchSpy, col
 
 def autograd_norms(loss_func, pred, *yb):

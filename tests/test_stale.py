@@ -4,8 +4,8 @@ import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
 from fastai.callback.all import MixUp
 from loss_filters.core import prune_by_stale_loss
-from loss_filters.stale import StaleLossPruningCallback, anneals
-from loss_filters.callback import BatchLossFilterCallback
+from loss_filters.sampler import StaleLossPruningCallback, anneals
+from loss_filters.batch import BatchLossFilterCallback
 from conftest import make_dls, mlp
 
 nan = math.nan
@@ -205,7 +205,7 @@ def test_export_and_load_after_a_pruned_fit(digits_dls, tmp_path):
     assert torch.equal(back.model.eval()(x), learn.model.eval()(x))
 
 def test_rank_share_splits_evenly_into_whole_batches():
-    from loss_filters.stale import rank_share
+    from loss_filters.sampler import rank_share
     order = torch.arange(10) * 10
     shares = [rank_share(order, r, 3, bs=2, drop_last=False) for r in range(3)]
     assert [s.tolist() for s in shares] == [[0, 10, 20, 30], [40, 50, 60, 70], [80, 90, 0, 10]]   # padded with the first two
