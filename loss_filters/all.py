@@ -7,10 +7,10 @@ __all__ = []
 
 # %% ../nbs/07_all.ipynb #a11c0de3
 from .core import *
-from .callback import *
-from .stale import *
+from .batch import *
+from .sampler import *
 from .controls import *
 
 # %% ../nbs/07_all.ipynb #a11c0de4
-from . import core, callback, stale, controls
-__all__ = [n for m in (core, callback, stale, controls) for n in m.__all__]   # what each module publishes
+from . import core, batch, sampler, controls
+__all__ = [n for m in (core, batch, sampler, controls) for n in m.__all__]   # what each module publishes

@@ -13,8 +13,8 @@ from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .core import select_by_loss_share, select_by_rank, per_sample_loss
-from .callback import *
-from .stale import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback, plain_epoch_size
+from .batch import *
+from .sampler import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback, plain_epoch_size
 from .controls import RandomPruningCallback, RandomBatchCallback
 from .data import load_dls, simple_cnn, simple_mlp, CropFlip
 from .models import WideResNet

@@ -6,8 +6,8 @@
 from __future__ import annotations
 import torch
 from .core import check_range, prune_at_random, select_at_random
-from .callback import LossFilterCallback, _warn_no_op
-from .stale import SamplerPruningCallback
+from .batch import LossFilterCallback, _warn_no_op
+from .sampler import SamplerPruningCallback
 
 # %% auto #0
 __all__ = ['RandomPruningCallback', 'RandomBatchCallback']

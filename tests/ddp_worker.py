@@ -33,8 +33,8 @@ def run(rank:int, world_size:int, port:int, out:str, epochs:int=2):
     from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
     import fastai.callback.all
     from fastai.distributed import DistributedDL
-    from loss_filters.callback import BatchLossFilterCallback, SelectiveBackpropCallback
-    from loss_filters.stale import StaleLossPruningCallback
+    from loss_filters.batch import BatchLossFilterCallback, SelectiveBackpropCallback
+    from loss_filters.sampler import StaleLossPruningCallback
     from conftest import mlp
     DistributedDL._broadcast = _cpu_broadcast
 

@@ -7,8 +7,8 @@ from fastai.vision.all import (DataBlock, ImageBlock, MaskBlock, CategoryBlock, 
                                TensorMultiCategory)
 from fastai.text.all import TextDataLoaders, text_classifier_learner, AWD_LSTM, SortedDL
 from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize
-from loss_filters.callback import *
-from loss_filters.stale import StaleLossPruningCallback
+from loss_filters.batch import *
+from loss_filters.sampler import StaleLossPruningCallback
 from conftest import make_dls, mlp, col
 
 FILTERS = {'blf': lambda **kw: BatchLossFilterCallback(**kw),

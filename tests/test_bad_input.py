@@ -3,8 +3,8 @@ import warnings
 import numpy as np, pytest
 from fastai.basics import Learner
 from loss_filters.core import check_range, check_int, select_by_rank
-from loss_filters.callback import SelectiveBackpropCallback, BatchLossFilterCallback, LossFilterCallback
-from loss_filters.stale import StaleLossPruningCallback, HideLearnedCallback
+from loss_filters.batch import SelectiveBackpropCallback, BatchLossFilterCallback, LossFilterCallback
+from loss_filters.sampler import StaleLossPruningCallback, HideLearnedCallback
 from loss_filters.controls import RandomPruningCallback, RandomBatchCallback
 
 @pytest.mark.parametrize('make,msg', [

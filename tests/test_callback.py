@@ -5,7 +5,7 @@ from fastai.basics import Learner, Callback, accuracy, CrossEntropyLossFlat, set
 from fastai.callback.all import (GradientAccumulation, MixedPrecision, MixUp, CutMix, CSVLogger, SaveModelCallback,
                                  EarlyStoppingCallback, ShowGraphCallback)
 from loss_filters.core import select_by_loss_share
-from loss_filters.callback import *
+from loss_filters.batch import *
 from conftest import make_dls, mlp, bn_cnn, BatchSpy, ItemList, col
 
 def learner(dls, model, **kw):
@@ -249,7 +249,7 @@ def test_get_preds_and_validate_are_unfiltered(digits_dls):
     assert stats and cb.stats == stats and int(cb.hist.table()[0].sum()) == n_hist   # the fit's records are kept
 
 def test_gradient_accumulation_refused_under_several_processes(digits_dls, monkeypatch):
-    import loss_filters.callback as lfc
+    import loss_filters.batch as lfc
     monkeypatch.setattr(lfc, 'dist_world', lambda: (0, 2))                     # refused in `before_fit`, before any collective
     learn = learner(digits_dls, mlp(), cbs=[GradientAccumulation(n_acc=128), BatchLossFilterCallback()])
     with pytest.raises(ValueError, match='GradientAccumulation` with several processes'): fit(learn, 1)
@@ -323,9 +323,12 @@ def test_early_stopping_can_monitor_samp_perc(digits_dls):
 
 def test_export_and_load_learner(digits_dls, tmp_path):
     learn = fit(learner(digits_dls, mlp(), metrics=accuracy, path=tmp_path).batch_loss_filter(min_loss_perc=.8), 2)
+    cbs = list(learn.cbs)
     learn.export('exp.pkl')
     loaded = load_learner(tmp_path / 'exp.pkl')
-    assert isinstance(loaded.loss_filter, BatchLossFilterCallback) and loaded.loss_filter.min_loss_perc == .8
+    assert not hasattr(loaded, 'loss_filter') and not any(isinstance(c, (LossFilterBase, LossFilterColumns)) for c in loaded.cbs)
+    assert list(learn.cbs) == cbs and learn.loss_filter.min_loss_perc == .8 and learn.loss_filter.epoch_stats   # kept here
+    assert learn.loss_filter_columns is learn.loss_filter.columns
     x = digits_dls.valid.one_batch()[0]
     learn.model.eval()
     assert torch.allclose(loaded.model(x), learn.model(x))
@@ -435,3 +438,30 @@ def test_fill_batch_keeps_the_schedule_running_over_skipped_batches(digits_dls):
     assert len(hps) == 2 * len(digits_dls.train)
     assert hps[-1] < hps[0] * 1.01 and max(hps) > 10 * hps[-1]     # one cycle ran to its end
     assert learn.train_iter == 2 * len(digits_dls.train) and learn.pct_train == pytest.approx(1.)
+
+
+def test_an_export_loads_where_loss_filters_cannot_be_imported(tmp_path):
+    "The exported file is for inference: no filter, no records, and `load_learner` needs no `loss_filters`"
+    import subprocess, sys
+    from pathlib import Path
+    from fastai.basics import DataLoaders
+    g = torch.Generator().manual_seed(0)
+    ds = ItemList(zip(torch.randn(256, 8, generator=g), torch.randint(0, 2, (256,), generator=g)))
+    dls = DataLoaders.from_dsets(ItemList(ds[:192]), ItemList(ds[192:]), bs=32, device='cpu')
+    model = lambda: nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
+    plain = fit(learner(dls, model(), path=tmp_path), 3)                  # the same fit, without a filter: the same Recorder
+    plain.export('plain.pkl')
+    learn = fit(learner(dls, model(), path=tmp_path).selective_backprop(keep=.5, start=0.), 3)
+    learn.export('filtered.pkl')
+    assert (tmp_path / 'filtered.pkl').stat().st_size < 1.02 * (tmp_path / 'plain.pkl').stat().st_size
+    code = (f"import sys; sys.modules['loss_filters'] = None; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"   # `conftest.ItemList`
+            "import warnings; warnings.simplefilter('ignore')\n"
+            "from fastai.learner import load_learner\n"
+            f"l = load_learner({str(tmp_path / 'filtered.pkl')!r})\n"
+            "print(type(l).__name__, sorted(type(c).__name__ for c in l.cbs))")
+    res = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[0] == 'Learner' and 'Filter' not in res.stdout
+    assert isinstance(learn.loss_filter, SelectiveBackpropCallback) and learn.loss_filter.stats   # the Learner keeps its filter
+    fit(learn, 1)
+    assert learn.loss_filter.epoch_stats and col(learn, 'samp_perc')[0] < 1

@@ -5,8 +5,8 @@ from fastai.callback.all import GradientAccumulation
 from fastai.vision.all import ImageBlock, CategoryBlock
 from fastai.text.all import SortedDL
 from fastai.tabular.all import TabDataLoader
-from loss_filters.callback import SelectiveBackpropCallback, BatchLossFilterCallback
-from loss_filters.stale import HideLearnedCallback, StaleLossPruningCallback, plain_epoch_size, _keeps_batches
+from loss_filters.batch import SelectiveBackpropCallback, BatchLossFilterCallback
+from loss_filters.sampler import HideLearnedCallback, StaleLossPruningCallback, plain_epoch_size, _keeps_batches
 from loss_filters.controls import RandomPruningCallback, RandomBatchCallback
 from conftest import make_dls, mlp
 from test_apps import image_dir, text_df, image_dls, small_cnn, text_learner, tabular_df, tab_learner   # fixtures too
@@ -177,3 +177,50 @@ def test_a_batch_filter_records_every_real_step_and_no_skipped_one(digits_dls):
     fit(learn, 2)
     assert len(cb.lr_stats) == len(lrs.lrs) < 2 * len(digits_dls.train)    # only the steps that happened
     assert [u for _, u, _ in cb.lr_stats] == pytest.approx(lrs.lrs) and cb.mean_lr_mult == 1.
+
+# ------------------------------------------------------------------ loss_perc: on the same examples as samp_perc
+class Ident(torch.nn.Module):
+    "Each example's loss is its input: an L1 loss against 0 of the first column (the weight does not count)"
+    def __init__(self): super().__init__(); self.w = torch.nn.Parameter(torch.zeros(1))
+    def forward(self, x): return x[:, 0] + 0 * self.w
+
+def ident_learner(train_losses, **kw):
+    from fastai.basics import DataLoaders
+    from conftest import ItemList
+    items = lambda ls: ItemList([(torch.tensor([float(l)]), torch.tensor(0.)) for l in ls])
+    dls = DataLoaders.from_dsets(items(train_losses), items([1., 1.]), bs=4, shuffle=False, drop_last=False, device='cpu')
+    return Learner(dls, Ident(), loss_func=torch.nn.L1Loss(), lr=0., **kw)
+
+def test_loss_perc_counts_unfiltered_batches_in_full():
+    "Batch 0 (8, 1, 1, 2) is filtered to its 8 (half its loss); batch 1 (4, 4, 1, 1) is the `interrupt` step and trains in full"
+    learn = ident_learner([8, 1, 1, 2, 4, 4, 1, 1], cbs=BatchLossFilterCallback(min_loss_perc=.5, skip_epochs=1, interrupt=2))
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 0.)
+    e0, e1 = learn.loss_filter.epoch_stats
+    assert (e0['samp_perc'], e0['loss_perc'], e0['full_loss']) == (1., 1., 22 / 8)
+    assert e1['samp_perc'] == 5 / 8 and e1['loss_perc'] == pytest.approx(18 / 22, abs=1e-12) and e1['full_loss'] == 22 / 8
+    assert e1['loss_perc'] > e1['samp_perc']                                 # the filter keeps the high-loss examples
+    assert [b['loss_share'] for b in learn.loss_filter.stats] == [8 / 12]
+
+class EvenPositions(RandomPruningCallback):
+    "Pruned epochs train the examples at even positions of the dataset"
+    def epoch_keep(self): return torch.arange(len(self.table), device=self.table.device) % 2 == 0, None
+
+def test_sampler_loss_perc_is_the_stale_loss_share_of_what_trains():
+    learn = ident_learner([1, 2, 3, 4, 5, 6, 7, 8], cbs=EvenPositions(anneal=0.))
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 0.)
+    e0, e1 = learn.loss_filter.epoch_stats
+    assert (e0['samp_perc'], e0['loss_perc']) == (1., 1.)
+    assert e1['samp_perc'] == 4 / 8 and e1['loss_perc'] == pytest.approx(16 / 36, abs=1e-7)   # 1 + 3 + 5 + 7 of 36
+    assert e1['full_loss'] == 16 / 4                                         # the fresh loss of what trained
+
+def test_sampler_loss_perc_under_drop_last_is_over_a_plain_epoch():
+    "10 examples, batches of 4 with `drop_last`: a plain epoch trains 8; the kept 5 (even positions) train 4"
+    from fastai.basics import DataLoaders
+    from conftest import ItemList
+    items = lambda ls: ItemList([(torch.tensor([float(l)]), torch.tensor(0.)) for l in ls])
+    dls = DataLoaders.from_dsets(items(range(1, 11)), items([1.]), bs=4, shuffle=False, drop_last=True, device='cpu')
+    learn = Learner(dls, Ident(), loss_func=torch.nn.L1Loss(), lr=0., cbs=EvenPositions(anneal=0.))
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 0.)
+    e1 = learn.loss_filter.epoch_stats[1]
+    mean = (36 + 4.5 * 2) / 10                           # examples 9 and 10 never trained in epoch 0: they count at the mean (4.5)
+    assert e1['samp_perc'] == 4 / 8 and e1['loss_perc'] == pytest.approx((1 + 3 + 5 + 7) / (mean * 8), abs=1e-7)

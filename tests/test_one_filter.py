@@ -2,8 +2,8 @@
 import pytest, torch
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
 import fastai.callback.all   # `no_bar`, `fit_one_cycle`
-from loss_filters.callback import LossFilterBase, LossFilterColumns, BatchLossFilterCallback, SelectiveBackpropCallback
-from loss_filters.stale import StaleLossPruningCallback, HideLearnedCallback
+from loss_filters.batch import LossFilterBase, LossFilterColumns, BatchLossFilterCallback, SelectiveBackpropCallback
+from loss_filters.sampler import StaleLossPruningCallback, HideLearnedCallback
 from loss_filters.controls import RandomPruningCallback
 from conftest import mlp, col
 
@@ -87,3 +87,15 @@ def test_everything_in_one_import():
         assert n in ns, n
     assert ns['hide_learned'] is lf.core.hide_learned                     # the core rule, not the `Learner` patch
     for p in ('batch_loss_filter', 'selective_backprop', 'stale_loss_pruning', 'hide_learned'): assert hasattr(Learner, p)
+
+def test_the_old_module_names_still_import():
+    "`loss_filters.callback` and `loss_filters.stale` became `batch` and `sampler`; the old paths re-export the same objects"
+    import loss_filters.batch as batch, loss_filters.sampler as sampler
+    from loss_filters.callback import SelectiveBackpropCallback as SB, LossFilterBase as Base
+    from loss_filters.stale import StaleLossPruningCallback as Stale, HideLearnedCallback as Hide, anneals
+    assert SB is batch.SelectiveBackpropCallback and Base is batch.LossFilterBase
+    assert Stale is sampler.StaleLossPruningCallback and Hide is sampler.HideLearnedCallback and anneals is sampler.anneals
+    for old, new in (('callback', batch), ('stale', sampler)):
+        ns = {}
+        exec(f'from loss_filters.{old} import *', ns)
+        assert set(new.__all__) <= set(ns) and all(ns[n] is getattr(new, n) for n in new.__all__)

@@ -4,8 +4,8 @@ import pytest, torch, torch.nn as nn
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, set_seed
 import fastai.callback.all   # `no_bar`, `fit_one_cycle`
 from loss_filters.core import hide_learned
-from loss_filters.callback import LossFilterBase, LossFilterCallback, BatchLossFilterCallback, SelectiveBackpropCallback
-from loss_filters.stale import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback
+from loss_filters.batch import LossFilterBase, LossFilterCallback, BatchLossFilterCallback, SelectiveBackpropCallback
+from loss_filters.sampler import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback
 from loss_filters.controls import RandomPruningCallback
 from conftest import col
 from test_stale import fixed_learner, Steps, _fit

@@ -3,12 +3,12 @@ import math, sys, tracemalloc
 import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 import matplotlib; matplotlib.use('Agg')
 import matplotlib.pyplot as plt
-from fastai.basics import Learner, Callback, CrossEntropyLossFlat, LabelSmoothingCrossEntropyFlat, MSELossFlat, set_seed
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat, LabelSmoothingCrossEntropyFlat, MSELossFlat, set_seed, find_bs
 import fastai.callback.all   # the `no_bar`, `fit_one_cycle` patches
 from loss_filters.core import (per_sample_grad_norm, loss_and_grad_norm, loss_and_score, check_score, per_sample_loss,
                                select_by_loss_share, ScoreHistogram, _plain_ce)
-from loss_filters.callback import *
-from loss_filters.stale import StaleLossPruningCallback
+from loss_filters.batch import *
+from loss_filters.sampler import StaleLossPruningCallback
 from conftest import make_dls, mlp, BatchSpy, col
 
 def autograd_norms(loss_func, pred, *yb):
@@ -175,14 +175,16 @@ def test_filters_rank_by_the_gradient_norm(digits_dls, make):
         torch.testing.assert_close(scores, gn, rtol=1e-4, atol=1e-6)
         assert not torch.allclose(scores, losses)
 
-def test_grad_norm_scores_reported_loss_perc_is_their_share(digits_dls):
+def test_grad_norm_scores_share_per_batch_and_loss_share_per_epoch(digits_dls):
+    "Each batch's `loss_share` is on the score it ranked; the `loss_perc` column stays the kept share of the loss"
     set_seed(0)
     learn = learner(digits_dls).batch_loss_filter(min_loss_perc=.8, score='grad_norm')
     spy = ScoreSpy(learn.loss_filter)
     fit(learn, 2)
-    kept = sum(float(s[select_by_loss_share(s, .8)].sum()) for s, _, _ in spy.calls)
-    assert learn.loss_filter.stats[-1]['loss_share'] >= .8
-    total = sum(float(s.sum()) for s, _, _ in spy.calls)
+    for (s, _, _), r in zip(spy.calls, learn.loss_filter.stats):
+        assert r['loss_share'] == pytest.approx(float(s[select_by_loss_share(s, .8)].sum() / s.sum()), rel=1e-5) and r['loss_share'] >= .8
+    kept = sum(float(l[select_by_loss_share(s, .8)].sum()) for s, _, l in spy.calls)
+    total = sum(float(l.sum()) for s, _, l in spy.calls)
     assert col(learn, 'loss_perc')[-1] == pytest.approx(kept / total, rel=1e-4)
     # the full-batch loss is still the loss, not the score
     assert learn.loss_filter.epoch_stats[-1]['full_loss'] == pytest.approx(
@@ -221,7 +223,7 @@ def test_plots_before_any_batch_was_filtered(digits_dls):
     for f in (cb.plot_kept, cb.plot_loss_share, cb.plot_score_hist, cb.plot_diagnostics): plt.close(f())
     learn = fit(learner(digits_dls).batch_loss_filter(), 1)    # the first epoch is never filtered
     fig = learn.loss_filter.plot_diagnostics()
-    assert len(fig.axes) == 5 and len(fig.axes[0].lines[0].get_xdata()) == 0
+    assert len(fig.axes) == 6 and len(fig.axes[0].lines[0].get_xdata()) == 0        # kept, share, rate, two heat maps, a colour bar
     plt.close(fig)
 
 def test_each_plot_has_its_axes_and_points(digits_dls):
@@ -246,7 +248,7 @@ def test_each_plot_has_its_axes_and_points(digits_dls):
     assert counts[:, 0].sum() == 2 * n_b * 64                                  # every example of the two filtered epochs
     plt.close(fig)
     fig = cb.plot_diagnostics()
-    assert len(fig.axes) == 5
+    assert len(fig.axes) == 6
     plt.close(fig)
 
 def test_stale_pruning_diagnostics(digits_dls):
@@ -279,13 +281,21 @@ class PlainSpy:
         self.calls.append((type(scores), type(idxs), scores.clone(), idxs.clone()))
         return idxs
 
+class PlainSteps(Callback):
+    "The summed loss of each unfiltered training step, per epoch"
+    order = 100
+    def before_fit(self): self.sums = {}
+    def after_loss(self):
+        if self.training and self.learn.loss_filter._plain_step:
+            self.sums[self.epoch] = self.sums.get(self.epoch, 0.) + float(self.loss) * find_bs(self.yb)
+
 @pytest.mark.parametrize('make', [lambda: BatchLossFilterCallback(min_loss_perc=.8, skip_epochs=0),
                                   lambda: SelectiveBackpropCallback(keep=.3, start=0, end=1, interrupt=2)], ids=['blf', 'sb'])
 def test_records_equal_a_per_batch_recount(digits_dls, make):
     set_seed(0)
     learn = learner(digits_dls).add_cb(make())
-    spy = PlainSpy(learn.loss_filter)
-    fit(learn, 2)
+    spy, steps = PlainSpy(learn.loss_filter), PlainSteps()
+    fit(learn.add_cb(steps), 2)
     cb = learn.loss_filter
     assert all(ts is torch.Tensor and ti is torch.Tensor for ts, ti, _, _ in spy.calls)   # plain tensors, no fastai types
     assert len(cb.stats) == len(spy.calls)
@@ -295,7 +305,8 @@ def test_records_equal_a_per_batch_recount(digits_dls, make):
     for e in range(2):
         calls = [c for c, r in zip(spy.calls, cb.stats) if r['epoch'] == e]
         kept, total = sum(float(s.double()[k].sum()) for _, _, s, k in calls), sum(float(s.double().sum()) for _, _, s, _ in calls)
-        assert cb.epoch_stats[e]['loss_perc'] == pytest.approx(kept / total, rel=1e-9)
+        plain = steps.sums.get(e, 0.)                                           # unfiltered steps count in full
+        assert cb.epoch_stats[e]['loss_perc'] == pytest.approx((kept + plain) / (total + plain), rel=1e-6)
     ref = ScoreHistogram(*cb.hist_range, bins=cb.hist_bins, rows=cb.hist_rows)
     for r, (_, _, s, k) in zip(cb.stats, spy.calls): ref.add(s, r['iter'], k)
     assert torch.equal(ref.table()[0], cb.hist.table()[0])
