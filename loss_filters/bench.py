@@ -37,10 +37,10 @@ DEFAULT_METHODS = 'baseline blf sb stale'
 
 # `quick`: `make bench`, minutes. `long`: the regime the recipes are published for (augmentation, a schedule long enough
 # for the baseline to plateau), with both controls beside every method.
-PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, n_train=None, n_valid=None,
+PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
                           methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
-               long=dict(epochs=30, evals_per_epoch=1, augment=True, controls=True, lr=3e-3, n_train=10_000, n_valid=5_000,
-                         methods=DEFAULT_METHODS + ' hide', budgets='.5 .7 .85'))
+               long=dict(epochs=20, evals_per_epoch=1, augment=True, controls=True, lr=3e-3, bs=128, n_train=5_000, n_valid=5_000,
+                         methods=DEFAULT_METHODS + ' hide', budgets='.5 .75'))
 
 MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
               mlp=lambda x, c: simple_mlp(n_in=x[0].numel(), n_out=c),      # a cheap model: the filters' fixed costs show
@@ -482,7 +482,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (augmentation, a schedule at the baseline's plateau, the controls)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
          seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
-         bs:int=256, # batch size
+         bs:int=None, # batch size; default: the preset's
          lr:float=None, # maximum learning rate of `fit_one_cycle`; default: the preset's
          methods:str=None, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2"; default: the preset's
          seed:int=0, # seed for the model initialisation and the data order
@@ -503,8 +503,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     pre = PRESETS[preset]
     epochs, evals_per_epoch, lr = (_preset_value(v, k, pre) for v, k in ((epochs, 'epochs'), (evals_per_epoch, 'evals_per_epoch'), (lr, 'lr')))
-    methods, budgets, n_train, n_valid = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
-                                                                              (n_train, 'n_train'), (n_valid, 'n_valid')))
+    methods, budgets, n_train, n_valid, bs = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
+                                                                                  (n_train, 'n_train'), (n_valid, 'n_valid'), (bs, 'bs')))
     if controls not in ('auto', 'yes', 'no'): raise ValueError(f"`controls` must be 'auto', 'yes' or 'no', got {controls!r}")
     controls = pre['controls'] if controls == 'auto' else controls == 'yes'
     specs = methods.split()
