@@ -371,12 +371,12 @@ def matched_control(spec:str, runs:list) -> str|None:
             f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}{sched}")
 
 def rate_control(spec:str, runs:list) -> str|None:
-    "The plain baseline at `spec`'s mean rate multiplier, for a method that changes the learning rate; None for one that does not"
+    "The plain baseline at the mean rate multiplier `spec`'s filter applied, for a filter that changes the learning rate; else None"
+    _, cls, _, run = parse_method(spec)
     mults = [r['lr_mult'] for r in runs if r['method'] == spec and 'lr_mult' in r]
-    m = statistics.fmean(mults) * parse_method(spec)[3].get('lr_mult', 1) if mults else 1.
-    if abs(m - 1) < 1e-3: return None
-    epochs = parse_method(spec)[3].get('epochs')
-    return f"baseline:lr_mult={m:.3f}" + (f",epochs={epochs}" if epochs else '')
+    if cls is None or not mults or abs(statistics.fmean(mults) - 1) < 1e-3: return None   # a plain run's own rate is no change
+    m = statistics.fmean(mults) * run.get('lr_mult', 1)
+    return f"baseline:lr_mult={m:.3f}" + (f",epochs={run['epochs']}" if 'epochs' in run else '')
 
 def _verdict(diff:float, tol:float, n_seeds:int) -> dict:
     "A difference of final accuracy smaller than the spread over seeds is no difference"

@@ -266,6 +266,7 @@ def test_rate_changing_methods_get_rate_matched_controls():
     assert matched_control('hide', runs) == 'random:keep=0.750,anneal=0.125,lr_scale=1'
     assert rate_control('hide', runs) == 'baseline:lr_mult=1.250'
     assert rate_control('stale', [dict(method='stale', lr_mult=1.)]) is None
+    assert rate_control('baseline:lr_mult=2', [dict(method='baseline:lr_mult=2', lr_mult=1.)]) is None   # its own rate is no change
     assert matched_control('stale', [dict(method='stale', history=[dict(samp_perc=.5)], kept=[])]) == 'random:keep=0.500,anneal=0.125'
 
 def test_lr_mult_setting_and_the_rate_a_method_used(digits64):
