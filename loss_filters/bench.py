@@ -23,8 +23,8 @@ from .models import WideResNet
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'PRESETS', 'MODELS', 'RUN_SETTINGS', 'make_model', 'parse_method', 'valid_accuracy',
            'fit_scored', 'EpochClock', 'run_method', 'time_to_target', 'add_work', 'summarise', 'format_table',
            'plot_results', 'plain_step_seconds', 'measure_score_cost', 'profile_step', 'budget_specs',
-           'matched_control', 'rate_control', 'best_plain', 'add_verdicts', 'plot_budget', 'verdict_lines', 'lf_bench',
-           'main']
+           'matched_control', 'rate_control', 'control_specs', 'best_plain', 'add_verdicts', 'plot_budget',
+           'verdict_lines', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #702267f7
 _gn = dict(score='grad_norm')
@@ -390,6 +390,10 @@ def _interp(curve:list, t:float) -> tuple:
     for (t0, a0, s0), (t1, a1, s1) in zip(curve, curve[1:]):
         if t0 <= t <= t1: return a0 + (a1 - a0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.), max(s0, s1)
 
+def control_specs(control_of:dict) -> list:
+    "Every control of `control_of` (method -> its controls), once each, in order"
+    return list(dict.fromkeys(c for cs in control_of.values() for c in cs))
+
 def best_plain(rows:list, plain:list, target:float) -> dict:
     "The cheapest plain schedule to `target`, in training seconds and in work: the plain runs' costs to it, and where the budget curve crosses it"
     # the crossing is interpolated between the last schedule that ends below the target and the next, which ends above it
@@ -409,7 +413,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
     sp = lambda r: r.get('final_accuracy_spread') or 0.
     plain = [m for m in ['baseline', *budgets] if m in by]
     curve = sorted((by[m]['work'], by[m]['final_accuracy'], sp(by[m])) for m in plain if by[m].get('work') is not None)
-    controls = {c for cs in control_of.values() for c in cs}
+    controls = control_specs(control_of)
     best = best_plain(rows, plain, target) if target is not None and len(plain) > 1 else None
     for r in rows:
         m = r['method']
@@ -432,7 +436,7 @@ def plot_budget(rows:list, budgets:list, control_of:dict, out:Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     curve = sorted((r['work'], r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
     ax.plot(*zip(*curve), 'k.-', label='baseline, shorter schedules (training less)')
-    controls = {c for cs in control_of.values() for c in cs}
+    controls = control_specs(control_of)
     for i, r in enumerate(r for r in rows if r['method'] not in [*budgets, 'baseline']):
         ax.errorbar(r['work'], r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6,
                     mfc='none' if r['method'] in controls else f'C{i}', color=f'C{i}', label=r['method'])
@@ -458,7 +462,7 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
     "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls, by work and by wall-clock"
     by, out = {r['method']: r for r in rows}, []
     base = by.get('baseline')
-    controls = {c for cs in control_of.values() for c in cs}
+    controls = control_specs(control_of)
     for r in rows:
         m = r['method']
         if m == 'baseline' or m in budgets or m in controls: continue
@@ -538,8 +542,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     if controls:   # after the methods: a random control needs the share its method really kept, a rate control its rate
         budget_runs = [b for b in budget_specs(epochs, budgets) if b not in specs]
         control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs)) if c])}
-        todo = [c for cs in control_of.values() for c in cs if c not in specs]
-        run_all(budget_runs + list(dict.fromkeys(todo)), 'control, ')
+        todo = [c for c in control_specs(control_of) if c not in specs]
+        run_all(budget_runs + todo, 'control, ')
     rows, tgt = summarise(runs, target, target_drop)
     add_verdicts(rows, budget_runs, control_of, seeds, tgt)
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)
