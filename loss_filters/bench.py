@@ -502,6 +502,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
+         label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the same model with and without each loss filter and compare time and work to accuracy"
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -517,12 +518,14 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
-    dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed)
+    if not 0 <= label_noise < 1: raise ValueError(f"`label_noise` must be in [0, 1), got {label_noise!r}")
+    dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
     if pre['augment']: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     (out / 'runs.jsonl').unlink(missing_ok=True)
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, "
-          f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}")
+          f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
+          + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, model=model, show_progress=False)   # warm-up, not reported
     cost = measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
     if score_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
@@ -550,7 +553,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of),
-               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
+               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
                evals_per_epoch=evals_per_epoch, target=tgt, score_cost=cost, best_plain=best_plain(rows, ['baseline', *budget_runs], tgt),
                machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(), torch=torch.__version__,
                             cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None),

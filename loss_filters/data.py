@@ -16,8 +16,8 @@ from fastai.data.core import DataLoaders
 # %% auto #0
 __all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx', 'write_idx',
            'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet', 'TensorDL', 'tensor_dls',
-           'CropFlip', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like', 'simple_cnn',
-           'simple_mlp']
+           'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like',
+           'simple_cnn', 'simple_mlp']
 
 # %% ../nbs/02_data.ipynb #9ea389b7
 class IdxFormatError(ValueError):
@@ -152,28 +152,46 @@ def _subset(x, y, n, seed):
     idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:n]
     return x[idx], y[idx]
 
-def _image_dls(x, y, xv, yv, bs, n_train, n_valid, seed, device):
+def noisy_labels(y:Tensor, # class labels
+                 share:float, # share of the labels to change, in [0, 1)
+                 c:int|None=None, # number of classes; default: `y.max()+1`
+                 seed:int=0) -> Tensor:
+    "A copy of `y` where a random `share` of the labels is changed to another class, drawn uniformly (the rest are kept)"
+    if not 0 <= share < 1: raise ValueError(f"`label_noise` must be in [0, 1), got {share!r}")
+    c = int(y.max()) + 1 if c is None else c
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(len(y), generator=g)[:round(share * len(y))]
+    y = y.clone()
+    y[idx] = (y[idx] + torch.randint(1, c, (len(idx),), generator=g)) % c   # a shift of 1..c-1: always a wrong class
+    return y
+
+def _image_dls(x, y, xv, yv, bs, n_train, n_valid, seed, device, label_noise=0.):
     x, y = _subset(x, y, n_train, seed)
+    if label_noise: y = noisy_labels(y, label_noise, int(max(y.max(), yv.max())) + 1, seed)
     xv, yv = _subset(xv, yv, n_valid, seed + 1)
     mean, std = x.mean(), x.std()
     return tensor_dls((x - mean) / std, y, (xv - mean) / std, yv, bs=bs, device=device)
 
 def fashion_mnist_dls(path:str|Path|None=None, # folder with the idx files; default: `find_fashion_mnist`
-                      bs:int=256, n_train:int|None=None, n_valid:int|None=None, seed:int=0, device=None) -> DataLoaders:
+                      bs:int=256, n_train:int|None=None, n_valid:int|None=None, seed:int=0, device=None,
+                      label_noise:float=0. # share of training labels changed to a wrong class (validation stays clean)
+                     ) -> DataLoaders:
     "Fashion-MNIST (60,000 training, 10,000 test images of 28x28) as in-memory `DataLoaders`"
     d = find_fashion_mnist(path)
     a = {k: torch.from_numpy(read_idx(d / f).copy()) for k, f in FASHION_FILES.items()}
     img = lambda t: t.float().div_(255.)[:, None]
-    return _image_dls(img(a['x_train']), a['y_train'].long(), img(a['x_valid']), a['y_valid'].long(), bs, n_train, n_valid, seed, device)
+    return _image_dls(img(a['x_train']), a['y_train'].long(), img(a['x_valid']), a['y_valid'].long(), bs, n_train, n_valid, seed, device, label_noise)
 
-def digits_dls(bs:int=64, valid_pct:float=.2, n_train:int|None=None, n_valid:int|None=None, seed:int=0, device=None) -> DataLoaders:
+def digits_dls(bs:int=64, valid_pct:float=.2, n_train:int|None=None, n_valid:int|None=None, seed:int=0, device=None,
+               label_noise:float=0. # share of training labels changed to a wrong class (validation stays clean)
+              ) -> DataLoaders:
     "scikit-learn's bundled digits (1,797 images of 8x8), split at random with `seed`"
     from sklearn.datasets import load_digits
     d = load_digits()
     x, y = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16., torch.tensor(d.target)
     idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(len(y) * (1 - valid_pct))
-    return _image_dls(x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]], bs, n_train, n_valid, seed, device)
+    return _image_dls(x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]], bs, n_train, n_valid, seed, device, label_noise)
 
 # %% ../nbs/02_data.ipynb #e779332c
 def load_dls(data:str='auto', # `fashion_mnist`, `digits`, or `auto`: Fashion-MNIST when it can be found, else digits

@@ -136,6 +136,11 @@ def test_models_option(tmp_path):
     assert res['model'] == 'mlp' and 0 < res['profile']['blf:skip_epochs=0']['overhead_share'] < 10
     with pytest.raises(ValueError, match='`model` must be one of cnn, mlp, wrn'): lf_bench(data='digits', model='vit', out=str(tmp_path))
 
+def test_label_noise_option(tmp_path):
+    res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline', label_noise=.2, score_cost=.3)
+    assert res['label_noise'] == .2
+    with pytest.raises(ValueError, match=r'`label_noise` must be in \[0, 1\)'): lf_bench(data='digits', label_noise=1, out=str(tmp_path))
+
 # ------------------------------------------------------------------ the long preset: seeds, controls, verdicts
 @pytest.fixture(scope='module')
 def long_run(tmp_path_factory):

@@ -142,3 +142,23 @@ def test_cifar_bad_folder_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match='is not a CIFAR10 folder'): cifar10_dls(tmp_path, num_workers=0)
     (tmp_path / 'train' / 'cat').mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=r'expected PNG files in .*train'): cifar10_dls(tmp_path, num_workers=0)
+
+# ------------------------------------------------------------------ label noise
+def test_noisy_labels_change_exactly_the_share_to_a_wrong_class():
+    y = torch.arange(1000) % 10
+    for share in (0., .1, .37):
+        z = lfd.noisy_labels(y, share, c=10, seed=3)
+        changed = z != y
+        assert changed.sum() == round(share * 1000) and z.min() >= 0 and z.max() <= 9
+        assert torch.equal(z, lfd.noisy_labels(y, share, c=10, seed=3))   # the same seed, the same labels
+    assert not torch.equal(lfd.noisy_labels(y, .2, 10, seed=0), lfd.noisy_labels(y, .2, 10, seed=1))
+    assert torch.equal(y, torch.arange(1000) % 10)   # the input is not changed
+    for bad in (-.1, 1., 1.5):
+        with pytest.raises(ValueError, match=r'`label_noise` must be in \[0, 1\)'): lfd.noisy_labels(y, bad)
+
+def test_label_noise_reaches_training_labels_only():
+    clean, noisy = digits_dls(seed=1), digits_dls(seed=1, label_noise=.25)
+    yt, yn = clean.train_ds.tensors[1], noisy.train_ds.tensors[1]
+    assert (yt != yn).float().mean().item() == pytest.approx(.25, abs=1 / len(yt))
+    assert torch.equal(clean.valid_ds.tensors[1], noisy.valid_ds.tensors[1])
+    assert torch.equal(clean.train_ds.tensors[0], noisy.train_ds.tensors[0])
