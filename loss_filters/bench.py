@@ -35,12 +35,12 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
                random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
 
-# `quick`: `make bench`, minutes. `long`: the regime the recipes are published for (augmentation, a schedule long enough
-# for the baseline to plateau), with both controls beside every method.
+# `quick`: `make bench`, minutes. `long`: the plain model at its measured plateau (schedule length and learning rate from a sweep
+# of the plain model), with every control beside every method.
 PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
                           methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
-               long=dict(epochs=20, evals_per_epoch=1, augment=True, controls=True, lr=3e-3, bs=128, n_train=5_000, n_valid=5_000,
-                         methods=DEFAULT_METHODS + ' hide', budgets='.5 .75'))
+               long=dict(epochs=9, evals_per_epoch=2, augment=False, controls=True, lr=2.4e-2, bs=128, n_train=20_000, n_valid=5_000,
+                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9'))
 
 MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
               mlp=lambda x, c: simple_mlp(n_in=x[0].numel(), n_out=c),      # a cheap model: the filters' fixed costs show
@@ -483,7 +483,7 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
 
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (augmentation, a schedule at the baseline's plateau, the controls)
+         preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (the plain model at its measured plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
          seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
          bs:int=None, # batch size; default: the preset's
@@ -502,6 +502,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
+         augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the same model with and without each loss filter and compare time and work to accuracy"
@@ -512,6 +513,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
                                                                                   (n_train, 'n_train'), (n_valid, 'n_valid'), (bs, 'bs')))
     if controls not in ('auto', 'yes', 'no'): raise ValueError(f"`controls` must be 'auto', 'yes' or 'no', got {controls!r}")
     controls = pre['controls'] if controls == 'auto' else controls == 'yes'
+    if augment not in ('auto', 'yes', 'no'): raise ValueError(f"`augment` must be 'auto', 'yes' or 'no', got {augment!r}")
+    augment = pre['augment'] if augment == 'auto' else augment == 'yes'
     specs = methods.split()
     for s in specs: parse_method(s)
     if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:
@@ -520,10 +523,11 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
     if not 0 <= label_noise < 1: raise ValueError(f"`label_noise` must be in [0, 1), got {label_noise!r}")
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
-    if pre['augment']: dls.train.after_batch = CropFlip(pad=2)
+    if augment: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     (out / 'runs.jsonl').unlink(missing_ok=True)
-    print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid, bs={bs}, "
+    print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
+          f"{' (crop and flip)' if augment else ''}, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     run_method(dls, 'baseline', epochs=1, lr=lr, seed=seed, model=model, show_progress=False)   # warm-up, not reported
@@ -553,7 +557,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of),
-               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
+               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment, label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
                evals_per_epoch=evals_per_epoch, target=tgt, score_cost=cost, best_plain=best_plain(rows, ['baseline', *budget_runs], tgt),
                machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(), torch=torch.__version__,
                             cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None),

@@ -136,9 +136,11 @@ def test_models_option(tmp_path):
     assert res['model'] == 'mlp' and 0 < res['profile']['blf:skip_epochs=0']['overhead_share'] < 10
     with pytest.raises(ValueError, match='`model` must be one of cnn, mlp, wrn'): lf_bench(data='digits', model='vit', out=str(tmp_path))
 
-def test_label_noise_option(tmp_path):
-    res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline', label_noise=.2, score_cost=.3)
-    assert res['label_noise'] == .2
+def test_label_noise_and_augment_options(tmp_path):
+    res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline', label_noise=.2, score_cost=.3,
+                   augment='yes')
+    assert res['label_noise'] == .2 and res['augment'] is True
+    with pytest.raises(ValueError, match="`augment` must be 'auto', 'yes' or 'no'"): lf_bench(data='digits', augment=True, out=str(tmp_path))
     with pytest.raises(ValueError, match=r'`label_noise` must be in \[0, 1\)'): lf_bench(data='digits', label_noise=1, out=str(tmp_path))
 
 # ------------------------------------------------------------------ the long preset: seeds, controls, verdicts
@@ -152,8 +154,8 @@ def long_run(tmp_path_factory):
 def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     out, res = long_run
     saved = json.loads((out / 'results.json').read_text())
-    assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 1
-    assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3']
+    assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2 and saved['augment'] is False
+    assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3']   # .6, .75 and .9 of 4 epochs
     ctl = saved['controls']['random']
     assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and ctl['stale'] == [ctl['stale'][0]]
     assert ctl['stale'][0].startswith('random:keep=') and 'lr_scale' not in ctl['stale'][0]

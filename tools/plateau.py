@@ -29,12 +29,12 @@ def key(r): return (r['data'], r['model'], r['n_train'], r['bs'], r['augment'], 
 
 
 def plateau(rows, gain=.0015, more=1.5):
-    "Per setting: mean final accuracy per length, and the shortest length whose `more`x longer schedule gains < `gain`"
+    "Per setting: mean final accuracy per length, and the plateau: the shortest length after which no schedule gains `gain`"
     out = {}
     for k, rs in group(rows).items():
         acc = {e: statistics.fmean(r['final_accuracy'] for r in v) for e, v in sorted(rs.items())}
-        longer = lambda e: min((f for f in acc if f >= more * e - 1e-9), default=None)
-        flat = next((e for e in sorted(acc) if longer(e) is not None and acc[longer(e)] - acc[e] < gain), None)
+        es = sorted(acc)   # flat from the shortest length that no longer one beats by `gain`, with one at least `more`x as long
+        flat = next((e for e in es if es[-1] >= more * e - 1e-9 and max(acc[f] for f in es if f >= e) - acc[e] < gain), None)
         out[k] = (acc, flat)
     return out
 
@@ -49,14 +49,26 @@ def plot(files, png):
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     rows = [json.loads(l) for f in files for l in Path(f).read_text().splitlines() if l.strip()]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mean_range = lambda rs: (statistics.fmean(r['final_accuracy'] for r in rs),
+                             (max(r['final_accuracy'] for r in rs) - min(r['final_accuracy'] for r in rs)) / 2)
     for k, rs in group(rows).items():
+        if len(rs) < 2: continue   # a single length is a point of the learning-rate sweep
         es = sorted(rs)
-        accs = [[r['final_accuracy'] for r in rs[e]] for e in es]
+        m, e = zip(*(mean_range(rs[x]) for x in es))
         lab = f"{k[1]}, {k[2]} images, lr {k[5]:g}{', augmented' if k[4] else ''}"
-        ax.errorbar(es, [statistics.fmean(a) for a in accs], yerr=[(max(a) - min(a)) / 2 for a in accs], marker='o', capsize=3, label=lab)
-    ax.set_xlabel('epochs of fit_one_cycle'); ax.set_ylabel('final validation accuracy (mean, bars: range over seeds)')
-    ax.grid(alpha=.3); ax.legend(fontsize=8)
+        ax.errorbar(es, m, yerr=e, marker='o', capsize=3, label=lab)
+    ax.set_xlabel('epochs of fit_one_cycle'); ax.set_ylabel('final validation accuracy (mean; bars: range over seeds)')
+    ax.set_title('schedule length'); ax.grid(alpha=.3); ax.legend(fontsize=8)
+    by_len = defaultdict(lambda: defaultdict(list))
+    for r in rows: by_len[(r['data'], r['model'], r['n_train'], r['bs'], r['augment'], r['epochs'])][r['lr']].append(r)
+    for k, rs in by_len.items():
+        if len(rs) < 3: continue
+        lrs = sorted(rs)
+        m, e = zip(*(mean_range(rs[x]) for x in lrs))
+        ax2.errorbar(lrs, m, yerr=e, marker='o', capsize=3, label=f"{k[5]} epochs, {k[2]} images{', augmented' if k[4] else ''}")
+    ax2.set_xscale('log', base=2); ax2.set_xlabel('maximum learning rate of fit_one_cycle')
+    ax2.set_title('learning rate'); ax2.grid(alpha=.3); ax2.legend(fontsize=8)
     fig.tight_layout(); fig.savefig(png, dpi=100)
     for k, (acc, flat) in plateau(rows).items(): print(k, {e: round(a, 4) for e, a in acc.items()}, 'plateau from', flat)
 
