@@ -52,7 +52,7 @@ def plot(files, png):
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     mean_range = lambda rs: (statistics.fmean(r['final_accuracy'] for r in rs),
                              (max(r['final_accuracy'] for r in rs) - min(r['final_accuracy'] for r in rs)) / 2)
-    for k, rs in group(rows).items():
+    for k, rs in sorted(group(rows).items(), key=lambda kv: kv[0][5]):
         if len(rs) < 2: continue   # a single length is a point of the learning-rate sweep
         es = sorted(rs)
         m, e = zip(*(mean_range(rs[x]) for x in es))
@@ -62,7 +62,7 @@ def plot(files, png):
     ax.set_title('schedule length'); ax.grid(alpha=.3); ax.legend(fontsize=8)
     by_len = defaultdict(lambda: defaultdict(list))
     for r in rows: by_len[(r['data'], r['model'], r['n_train'], r['bs'], r['augment'], r['epochs'])][r['lr']].append(r)
-    for k, rs in by_len.items():
+    for k, rs in sorted(by_len.items(), key=lambda kv: kv[0][5]):
         if len(rs) < 3: continue
         lrs = sorted(rs)
         m, e = zip(*(mean_range(rs[x]) for x in lrs))
