@@ -521,7 +521,6 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
-    if not 0 <= label_noise < 1: raise ValueError(f"`label_noise` must be in [0, 1), got {label_noise!r}")
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
     if augment: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
