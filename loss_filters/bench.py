@@ -52,6 +52,7 @@ def make_model(name:str, dls) -> nn.Module:
     return MODELS[name](dls.one_batch()[0], dls.c)
 
 def _value(s:str):
+    if s in ('True', 'False'): return s == 'True'
     for f in (int, float):
         try: return f(s)
         except ValueError: pass

@@ -11,8 +11,8 @@ from torch import nn, Tensor
 # %% auto #0
 __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm',
            'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank',
-           'select_by_loss_share', 'prune_by_stale_loss', 'hide_learned', 'prune_at_random', 'select_at_random',
-           'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum']
+           'select_by_loss_share', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate', 'prune_at_random',
+           'select_at_random', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -290,6 +290,16 @@ def hide_learned(losses:Tensor, # the last known loss of every example of the da
     k = min(len(easy), int(max_hide * len(losses)))
     keep[easy[losses[easy].argsort(stable=True)[:k]]] = False
     return keep
+
+def share_by_rate(share:float, # the share at the fit's peak learning rate, in [0, 1)
+                  lr_ahead:float, # the highest learning rate still ahead in the fit, >= 0
+                  lr_peak:float # the fit's highest learning rate, > 0
+                 ) -> float: # `share * min(1, lr_ahead/lr_peak)`
+    "KAKURENBO's step-down: the hidden share follows the rate once it decays (all of `share` while the peak is still ahead)"
+    check_range('share', share, 0, 1, hi_open=True)
+    check_range('lr_ahead', lr_ahead, 0, math.inf)
+    check_range('lr_peak', lr_peak, 0, math.inf, lo_open=True)
+    return share * min(1., lr_ahead / lr_peak)
 
 def prune_at_random(n:int, # examples in the dataset
                     keep:float, # share of them to keep, in (0, 1]

@@ -4,17 +4,18 @@
 
 # %% ../nbs/05_sampler.ipynb #929480ab
 from __future__ import annotations
-import itertools, math, torch
+import itertools, math, numpy as np, torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
 from fastai.learner import Learner
 from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
-from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, check_range, dist_world, all_reduce_sum
+from fastai.callback.schedule import ParamScheduler
+from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, check_range, dist_world, all_reduce_sum
 from .batch import LossFilterBase, plain, _warn_no_op
 
 # %% auto #0
-__all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals',
+__all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals', 'rate_ahead',
            'HideLearnedCallback']
 
 # %% ../nbs/05_sampler.ipynb #d83c4f1e
@@ -297,31 +298,49 @@ def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:st
     return self._set_loss_filter(cb)
 
 # %% ../nbs/05_sampler.ipynb #f3a1c2d5
+def rate_ahead(learn:Learner, # a Learner inside a fit
+               pct:float # the share of training done, in [0, 1]
+              ) -> tuple|None: # `(lr_ahead, lr_peak)`, or None when no `ParamScheduler` sets the rate or its peak is 0
+    "The highest scheduled learning rate from `pct` of training on, and the fit's highest, read off its `ParamScheduler`"
+    sched = next((cb for cb in learn.cbs if isinstance(cb, ParamScheduler) and 'lr' in cb.scheds), None)
+    if sched is None: return None
+    grid = np.linspace(0, 1, 401)
+    lrs = np.array([float(np.max(sched.scheds['lr'](float(p)))) for p in grid])
+    ahead = max(float(np.max(sched.scheds['lr'](float(pct)))), float(lrs[grid >= pct].max(initial=0.)))
+    return (ahead, float(lrs.max())) if lrs.max() > 0 else None
+
 class HideLearnedCallback(SamplerPruningCallback):
     "Each epoch, hide up to `max_hide` of the data: the examples learned with `confidence`, lowest loss first (KAKURENBO's idea)"
     def __init__(self,
                  max_hide:float=.3, # most of the dataset hidden in an epoch, as a share, in [0, 1)
                  confidence:float=.9, # hide only examples whose last loss is at most `-log(confidence)`, in (0, 1]
                  lr_scale:bool=True, # in a pruned epoch, raise the learning rate by `n/kept` for its fewer steps (KAKURENBO)
-                 anneal:float=.125): # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 follow_lr:bool=True): # once the scheduled rate decays, hide `max_hide` times the rate still ahead over the peak
         check_range('max_hide', max_hide, 0, 1, hi_open=True)
         check_range('confidence', confidence, 0, 1, lo_open=True)
+        if not isinstance(follow_lr, bool): raise TypeError(f"`follow_lr` must be True or False, got {follow_lr!r}")
         if max_hide == 0: _warn_no_op(self, 'max_hide=0', 'hides no example from any epoch')
         super().__init__(anneal=anneal, lr_scale=lr_scale)
-        store_attr('max_hide,confidence')
+        store_attr('max_hide,confidence,follow_lr')
 
     def _new_records(self):
         super()._new_records()
         self.hidden = torch.zeros_like(self.table, dtype=torch.bool)
 
+    def hide_share(self) -> float:
+        "The most of the data this epoch may hide: `max_hide`, stepped down with the rate under `follow_lr`"
+        r = rate_ahead(self.learn, self.epoch / self.n_epoch) if self.follow_lr else None
+        return self.max_hide if r is None else share_by_rate(self.max_hide, *r)
+
     def epoch_keep(self):
         "Hide the most confidently learned examples; one hidden in the last epoch waits for a fresh loss before it hides again"
-        keep = hide_learned(self.table.masked_fill(self.hidden, math.nan), self.max_hide, -math.log(self.confidence))
+        keep = hide_learned(self.table.masked_fill(self.hidden, math.nan), self.hide_share(), -math.log(self.confidence))
         self.hidden = ~keep
         return keep, None
 
 @patch
-def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, lr_scale:bool=True, anneal:float=.125):
+def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, lr_scale:bool=True, anneal:float=.125, follow_lr:bool=True):
     "Hide the examples learned with confidence from each epoch, with a raised rate for its fewer steps (`HideLearnedCallback`)"
-    return self._set_loss_filter(HideLearnedCallback(max_hide, confidence, lr_scale, anneal))
+    return self._set_loss_filter(HideLearnedCallback(max_hide, confidence, lr_scale, anneal, follow_lr))
 

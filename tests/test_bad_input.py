@@ -18,6 +18,7 @@ from loss_filters.controls import RandomPruningCallback, RandomBatchCallback
     (lambda: BatchLossFilterCallback(skip_epochs=1.), "`skip_epochs` must be an integer >= 0, got 1.0 of type float"),
     (lambda: StaleLossPruningCallback(prune='.5'), "`prune` must be a real number in [0, 1)"),
     (lambda: HideLearnedCallback(confidence=None), "`confidence` must be a real number in (0, 1]"),
+    (lambda: HideLearnedCallback(follow_lr='yes'), "`follow_lr` must be True or False, got 'yes'"),
     (lambda: RandomPruningCallback(keep='all'), "`keep` must be a real number in (0, 1]"),
     (lambda: select_by_rank(__import__('torch').rand(4), '1'), "`keep` must be a real number in (0, 1]")])
 def test_a_wrong_type_is_a_type_error_naming_the_argument(make, msg):

@@ -3,9 +3,10 @@ import math
 import pytest, torch, torch.nn as nn
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, set_seed
 import fastai.callback.all   # `no_bar`, `fit_one_cycle`
-from loss_filters.core import hide_learned
+from loss_filters.core import hide_learned, share_by_rate
+from fastai.callback.schedule import combined_cos
 from loss_filters.batch import LossFilterBase, LossFilterCallback, BatchLossFilterCallback, SelectiveBackpropCallback
-from loss_filters.sampler import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback
+from loss_filters.sampler import SamplerPruningCallback, StaleLossPruningCallback, HideLearnedCallback, rate_ahead
 from loss_filters.controls import RandomPruningCallback
 from conftest import col
 from test_stale import fixed_learner, Steps, _fit
@@ -108,6 +109,60 @@ def test_hide_gives_the_rate_and_the_loader_back_after_an_error():
     learn.remove_cb(cb)
     assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-2)
     assert learn.dls.train.n == len(learn.dls.train_ds) and 'get_idxs' not in learn.dls.train.__dict__
+
+def test_share_by_rate_follows_the_rate_once_it_is_below_the_peak():
+    assert share_by_rate(.4, 1e-2, 1e-2) == pytest.approx(.4)        # the peak still ahead: all of it
+    assert share_by_rate(.4, 5e-3, 1e-2) == pytest.approx(.2)        # half the peak rate: half the share
+    assert share_by_rate(.4, 2e-2, 1e-2) == pytest.approx(.4)        # never more than `share`
+    assert share_by_rate(.4, 0., 1e-2) == 0.                          # no rate left: nothing hides
+    assert share_by_rate(0., 1e-3, 1e-2) == 0.
+
+@pytest.mark.parametrize('args,match', [((1., 1., 1.), '`share` must be in'), ((.3, -1., 1.), '`lr_ahead` must be in'),
+                                        ((.3, 1., 0.), r'`lr_peak` must be in \(0, inf\]'), ((.3, nan, 1.), '`lr_ahead` must be in')])
+def test_share_by_rate_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match): share_by_rate(*args)
+
+class HideSpy(Callback):
+    "At each epoch's start, after the filter has chosen: the rate read off the schedule, the share allowed, the hidden mask"
+    order = 100
+    def before_fit(self): self.rows = []
+    def before_train(self):
+        cb = self.learn.loss_filter
+        self.rows.append((rate_ahead(self.learn, self.epoch / self.n_epoch), cb.hide_share(), getattr(cb, 'hidden', None).clone()))
+
+def test_rate_ahead_reads_the_one_cycle_schedule_and_is_none_without_one():
+    learn, _ = fixed_learner()
+    spy = HideSpy()
+    learn.add_cbs([HideLearnedCallback(anneal=0.), spy])
+    _fit(learn, 4, lr=1e-2, one_cycle=True)
+    sched = combined_cos(.25, 1e-2 / 25, 1e-2, 1e-2 / 1e5)                # `fit_one_cycle`'s rate, its defaults
+    for e, (r, *_) in enumerate(spy.rows):
+        assert r[1] == pytest.approx(1e-2)                                  # the peak, at a quarter of the fit
+        assert r[0] == pytest.approx(1e-2 if e / 4 <= .25 else sched(e / 4))   # the highest rate still ahead
+    _fit(learn, 2, lr=1e-2)                                                 # `fit`: no scheduler sets the rate
+    assert [r for r, *_ in spy.rows] == [None, None]
+
+def test_follow_lr_steps_the_hidden_share_down_with_the_rate():
+    learn, losses = fixed_learner()
+    cut, spy = -math.log(.5), HideSpy()
+    learn.add_cbs([HideLearnedCallback(max_hide=.1, confidence=.5, anneal=0., follow_lr=True), spy])
+    _fit(learn, 5, lr=1e-2, one_cycle=True)
+    ids = torch.tensor(_train_ids(learn)); l, n = losses[ids], len(ids)
+    sched, hidden = combined_cos(.25, 1e-2 / 25, 1e-2, 1e-2 / 1e5), torch.zeros(n, dtype=torch.bool)
+    shares = [s for _, s, _ in spy.rows]
+    assert shares[:2] == [pytest.approx(.1)] * 2 and shares[2:] == [pytest.approx(.1 * sched(e / 5) / 1e-2) for e in (2, 3, 4)]
+    for e, (_, share, mask) in enumerate(spy.rows[1:], 1):
+        expect = ~hide_learned(l.masked_fill(hidden, nan), share, cut)      # the core rule at the stepped-down share
+        assert torch.equal(mask, expect) and int(mask.sum()) == min(int(share * n), int((l.masked_fill(hidden, nan) <= cut).sum()))
+        hidden = expect
+    assert int(spy.rows[1][2].sum()) > int(spy.rows[4][2].sum()) > 0        # fewer hide as the rate decays
+
+def test_follow_lr_without_a_schedule_hides_max_hide():
+    learn, _ = fixed_learner()
+    spy = HideSpy()
+    learn.add_cbs([HideLearnedCallback(max_hide=.08, confidence=.5, anneal=0., follow_lr=True), spy])
+    _fit(learn, 3, lr=1e-2)
+    assert [s for _, s, _ in spy.rows] == [.08] * 3 and int(spy.rows[2][2].sum()) == int(.08 * len(learn.dls.train_ds))
 
 # ------------------------------------------------------------------ the scoring pass's precision
 class PrecisionSpy(nn.Module):
