@@ -84,12 +84,12 @@ def test_bad_methods_fail_before_training():
     with pytest.raises(ValueError, match="unknown method 'nope'"): lf_bench(methods='baseline nope', data='digits')
     with pytest.raises(ValueError, match='`keep`'): parse_method('sb:keep=0')
     with pytest.raises(TypeError, match='`follow_lr` must be True or False'): parse_method('hide:follow_lr=yes')
+    with pytest.raises(ValueError, match='target'): summarise([dict(method='sb', history=[])])
 
 def test_method_settings_parse_numbers_and_booleans():
     _, cls, kw, run = parse_method('hide:follow_lr=True,max_hide=.5,lr_scale=False,epochs=4')
     assert kw == dict(follow_lr=True, max_hide=.5, lr_scale=False) and run == dict(epochs=4)
     assert cls(**kw).follow_lr is True
-    with pytest.raises(ValueError, match='target'): summarise([dict(method='sb', history=[])])
 
 def test_console_script_help():
     script = Path(sys.executable).parent / 'lf_bench'             # the installed console script

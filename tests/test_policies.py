@@ -128,7 +128,7 @@ class HideSpy(Callback):
     def before_fit(self): self.rows = []
     def before_train(self):
         cb = self.learn.loss_filter
-        self.rows.append((rate_ahead(self.learn, self.epoch / self.n_epoch), cb.hide_share(), getattr(cb, 'hidden', None).clone()))
+        self.rows.append((rate_ahead(self.learn, self.epoch / self.n_epoch), cb.hide_share(), cb.hidden.clone()))
 
 def test_rate_ahead_reads_the_one_cycle_schedule_and_is_none_without_one():
     learn, _ = fixed_learner()
