@@ -483,6 +483,11 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
 
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
 
+def _switch(name:str, v:str, pre:dict) -> bool:
+    "An 'auto'/'yes'/'no' option: the preset's value for 'auto'"
+    if v not in ('auto', 'yes', 'no'): raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
+    return pre[name] if v == 'auto' else v == 'yes'
+
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
          preset:str='quick', # `quick` (5 epochs, no augmentation) or `long` (the plain model at its measured plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
@@ -512,10 +517,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     epochs, evals_per_epoch, lr = (_preset_value(v, k, pre) for v, k in ((epochs, 'epochs'), (evals_per_epoch, 'evals_per_epoch'), (lr, 'lr')))
     methods, budgets, n_train, n_valid, bs = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
                                                                                   (n_train, 'n_train'), (n_valid, 'n_valid'), (bs, 'bs')))
-    if controls not in ('auto', 'yes', 'no'): raise ValueError(f"`controls` must be 'auto', 'yes' or 'no', got {controls!r}")
-    controls = pre['controls'] if controls == 'auto' else controls == 'yes'
-    if augment not in ('auto', 'yes', 'no'): raise ValueError(f"`augment` must be 'auto', 'yes' or 'no', got {augment!r}")
-    augment = pre['augment'] if augment == 'auto' else augment == 'yes'
+    controls, augment = _switch('controls', controls, pre), _switch('augment', augment, pre)
     specs = methods.split()
     for s in specs: parse_method(s)
     if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:

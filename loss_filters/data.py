@@ -12,6 +12,7 @@ from fastcore.basics import store_attr
 from fastai.torch_core import default_device
 from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
+from .core import check_range
 
 # %% auto #0
 __all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx', 'write_idx',
@@ -157,7 +158,7 @@ def noisy_labels(y:Tensor, # class labels
                  c:int|None=None, # number of classes; default: `y.max()+1`
                  seed:int=0) -> Tensor:
     "A copy of `y` where a random `share` of the labels is changed to another class, drawn uniformly (the rest are kept)"
-    if not 0 <= share < 1: raise ValueError(f"`label_noise` must be in [0, 1), got {share!r}")
+    check_range('label_noise', share, 0, 1, hi_open=True)   # named as the loaders and `lf_bench` call it
     c = int(y.max()) + 1 if c is None else c
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(len(y), generator=g)[:round(share * len(y))]
