@@ -11,8 +11,9 @@ from torch import nn, Tensor
 # %% auto #0
 __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm',
            'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank',
-           'select_by_loss_share', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate', 'prune_at_random',
-           'select_at_random', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum']
+           'select_by_loss_share', 'at_least_two', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate',
+           'prune_at_random', 'select_at_random', 'reweighted_loss', 'check_schedule', 'should_select', 'dist_world',
+           'all_reduce_sum', 'own_generator']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -259,6 +260,15 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
     k = max(n_loss, n_bad, _count(min_sample_perc, n, math.ceil), 1)
     return order[:min(k, n)]
 
+# %% ../nbs/00_core.ipynb #8a80d0eb
+def at_least_two(idxs:Tensor, # indices a selector kept
+                 scores:Tensor # the batch's per-example scores, shape `[n]`
+                ) -> Tensor: # `idxs`, plus the highest-scoring example left out when `idxs` holds one of `n >= 2`
+    "Keep at least two examples of a batch of two or more: a training step on one breaks BatchNorm"
+    if len(idxs) != 1 or len(scores) < 2: return idxs
+    rest = _sortable(scores).masked_fill(torch.zeros_like(scores, dtype=torch.bool).index_fill(0, idxs, True), -math.inf)
+    return torch.cat([idxs, rest.argmax().view(1)])
+
 # %% ../nbs/00_core.ipynb #fbeb62f5
 def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of the dataset, NaN where unknown
                         prune:float=.5, # share of the below-mean examples to drop, in [0, 1)
@@ -321,6 +331,16 @@ def select_at_random(losses:Tensor, # per-example losses, shape `[n]` (only thei
     n = losses.shape[0]
     return torch.randperm(n, device=losses.device, generator=generator)[:max(1, _count(keep, n, round))]
 
+# %% ../nbs/00_core.ipynb #01eb753c
+def reweighted_loss(loss:Tensor, # the batch's loss as the user's loss function reduced it
+                    losses:Tensor, # the same batch's per-example losses, shape `[n]`
+                    weights:Tensor # a weight per example, shape `[n]`
+                   ) -> Tensor: # `sum(weights*losses)`, reduced by the factor that took `sum(losses)` to `loss`
+    "The batch loss with each example's loss weighted, reduced as the user's loss reduced the unweighted one"
+    total = losses.detach().sum()
+    scale = torch.where(total != 0, loss.detach() / total, loss.new_tensor(1 / max(len(losses), 1)))   # no grad through it
+    return (losses * weights).sum() * scale
+
 # %% ../nbs/00_core.ipynb #0b63721c
 def check_schedule(start:float, end:float, interrupt:int):
     "Raise a `ValueError` (or a `TypeError`, for a wrong type) naming the argument when `start`, `end` or `interrupt` is out of range"
@@ -355,3 +375,10 @@ def all_reduce_sum(t:Tensor) -> Tensor:
     r = t.detach().to(dev).clone()
     dist.all_reduce(r)
     return r.to(t.device)
+
+# %% ../nbs/00_core.ipynb #d268f772
+def own_generator(device=None) -> torch.Generator:
+    "A new generator on `device`, seeded from torch's global one without moving it; rank 0's seed on every rank"
+    with torch.random.fork_rng(devices=[]): seed = torch.randint(2**62, (), dtype=torch.int64)
+    seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))
+    return torch.Generator(device=device or 'cpu').manual_seed(seed)
