@@ -16,12 +16,14 @@ from fastai.callback.mixup import MixHandler
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner, Recorder
+from fastai.data.load import DataLoader
 from .core import *
 from .core import _acc_dtype
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'plain', 'take', 'LossFilterBase', 'LossFilterCallback',
-           'LossFilterColumns', 'BatchPool', 'SelectiveBackpropCallback', 'BatchLossFilterCallback']
+__all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'unwrapped_loader', 'orders_own_batches', 'plain', 'take',
+           'LossFilterBase', 'LossFilterCallback', 'LossFilterColumns', 'BatchPool', 'SelectiveBackpropCallback',
+           'BatchLossFilterCallback']
 
 # %% ../nbs/01_batch.ipynb #a916e4ff
 @contextmanager
@@ -55,6 +57,14 @@ def _apply(f, o):
     raise TypeError(f"a loss filter can only subset a batch of tensors (tuples of them too), got a {type(o).__name__}: "
                     "give the Learner a batch of tensors, or train without the filter")
 
+def unwrapped_loader(dl):
+    "The loader inside fastai's `DistributedDL`, or `dl` itself"
+    return dl.dl if hasattr(dl, 'world_size') and hasattr(dl, 'rank') and hasattr(dl, 'dl') else dl
+
+def orders_own_batches(dl) -> bool:
+    "Whether the training loader orders its items itself (`SortedDL` sorts its batches by length) instead of fastai's shuffle"
+    return type(unwrapped_loader(dl)).get_idxs is not DataLoader.get_idxs
+
 def plain(o):
     "`o` with every tensor (in nested tuples too) viewed as a plain `torch.Tensor`: no fastai type dispatch"
     if isinstance(o, Tensor): return o if type(o) is Tensor else o.as_subclass(Tensor)
@@ -85,8 +95,10 @@ class LossFilterBase(Callback):
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
     _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
+    _stateattrs = ('gen',)   # not pickled: old torch cannot pickle a generator, and a CUDA one would not load on the CPU
 
-    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_lrs'))
+    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_lrs',
+                      '_loss_checked'))
     def __setattr__(self, name, value):
         "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
         if name in self._hot: self.__dict__[name] = value
@@ -194,7 +206,7 @@ def _restore(self:LossFilterBase):
 def before_fit(self:LossFilterBase):
     self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
     self._restore()   # a fit that died by an exception ran no `after_fit`
-    self._training, self._checked, self.scoring = False, False, False
+    self._training, self._checked, self._loss_checked, self.scoring = False, False, False, False
     if not self.run: return
     others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
     if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
@@ -206,16 +218,26 @@ def before_fit(self:LossFilterBase):
 @patch
 def before_fit(self:LossFilterCallback):
     LossFilterBase.before_fit(self)
-    if self.run: self._find_fit_parts()
+    if self.run and self.fill_batch and orders_own_batches(self.dls.train):
+        raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
+                         "it orders its own batches (a `SortedDL` pads each to its own length, longest first), and pooled "
+                         "examples would lose that order or fail to join; train it without `fill_batch`")
+
+@patch
+def before_train(self:LossFilterCallback):
+    LossFilterBase.before_train(self)
+    self._find_fit_parts()
 
 @patch
 def _find_fit_parts(self:LossFilterCallback):
-    "Look up once per fit what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers"
+    "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
+    # not in `before_fit`: a callback after the filter may change the model there (`DistributedTrainer` swaps in `SyncBatchNorm`)
     self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
                       and getattr(type(cb), 'after_pred', None) is not None]
     self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
     self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     self._device_type = next(self.learn.model.parameters()).device.type
+    self._mixing = any(isinstance(cb, MixHandler) for cb in self.learn.cbs)   # a plain step's loss is then a mixed one
 
 @patch
 def _check_distributed(self:LossFilterBase):
@@ -234,6 +256,8 @@ def _new_records(self:LossFilterBase):
     "Empty records, score histogram and work counters, made at a fit's first training epoch"
     self.stats, self.epoch_stats, self.lr_stats, self._warned = L(), L(), [], False
     self.fit_trained = self.fit_scored = 0
+    self.pool = BatchPool()   # `fill_batch`'s kept examples waiting for a full batch: what the last batch leaves waits for the next epoch
+    self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
     self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
 
 @patch
@@ -274,7 +298,7 @@ def _new_epoch(self:LossFilterBase):
     "Zero the epoch's counts and sums"
     self.n_seen, self.n_kept, self.n_trained, self.n_scored, self._n_loss = 0, 0, 0, 0, 0
     self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
-    self._batches, self._plain_losses, self.pool, self.iter0 = [], [], BatchPool(), self.train_iter
+    self._batches, self._plain_losses, self.iter0 = [], [], self.train_iter
 
 def _unwrap(model:nn.Module) -> nn.Module:
     "The model inside a `DistributedDataParallel` wrapper: its forward would synchronise buffers across ranks"
@@ -313,14 +337,20 @@ def score_batch(self:LossFilterCallback) -> tuple:
         pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
         losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
     self.fit_scored += losses.shape[0]
+    self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
     return plain(losses).float(), plain(scores).float()
 
 @patch
-def _check_first_batch(self:LossFilterCallback, scored:bool):
-    "Whatever the schedule, refuse at the first training batch, before any step, what filtering would fail on later"
+def _check_first_batch(self:LossFilterCallback):
+    "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
     self._checked = True
     _apply(lambda t: t, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
-    if not scored: self.score_batch()                                   # one loss per example: `per_sample_loss` checks
+
+@patch
+def _check_step_losses(self:LossFilterCallback):
+    "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
+    self._loss_checked = True   # no forward pass of its own: a filter that has not started trains exactly like the plain model
+    with torch.no_grad(): per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
 
 @patch
 def before_batch(self:LossFilterCallback):
@@ -329,10 +359,10 @@ def before_batch(self:LossFilterCallback):
     self.n_seen += bs
     idxs = None
     active = self.is_active()
-    if not self._checked: self._check_first_batch(active)
+    if not self._checked: self._check_first_batch()
     if active:
         losses, scores = self.score_batch()
-        idxs = self.select(scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted by length
+        idxs = at_least_two(self.select(scores), scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted
         self._record(losses, scores, idxs, bs)
     else: self.n_kept += bs
     self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
@@ -342,6 +372,7 @@ def before_batch(self:LossFilterCallback):
 @patch
 def after_loss(self:LossFilterCallback):
     "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
+    if not self._loss_checked: self._check_step_losses()
     bs = find_bs(self.learn.yb)
     self.n_trained += bs; self.fit_trained += bs
     if self._plain_step: self._plain_losses.append((self.learn.loss.detach(), bs))
@@ -362,7 +393,7 @@ def _fold_epoch(self:LossFilterBase):
         per = torch.stack([l.float() for l in ls]).to(_acc_dtype(ls[0]))
         sizes = per.new_tensor(ns)
         total = (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
-        self._loss_sum, self._n_loss = self._loss_sum + total, self._n_loss + sum(ns)
+        if not getattr(self, '_mixing', False): self._loss_sum, self._n_loss = self._loss_sum + total, self._n_loss + sum(ns)
         self._loss_kept, self._loss_scored = self._loss_kept + total, self._loss_scored + total   # trained in full
     if not self._batches: return
     its, losses, scores, idxs = zip(*self._batches)
@@ -378,7 +409,8 @@ def _fold_epoch(self:LossFilterBase):
     lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
     full = _segment_sum(lfin, seg, nb)
     self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
-    self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
+    if getattr(self, 'scale_factor', 1) == 1:   # a downsampled input's loss is another quantity: `full_train_loss` leaves it out
+        self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
     self._n_bad = self._n_bad + (~ok).sum()
     share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
     rows = torch.stack([share, full / full.new_tensor(sizes)]).tolist()
@@ -389,7 +421,13 @@ def _fold_epoch(self:LossFilterBase):
 # %% ../nbs/01_batch.ipynb #c6c30afa
 def _cat(parts:list):
     "Concatenate a list of batch tuples (nested tuples too) along the batch dimension"
-    if isinstance(parts[0], Tensor): return torch.cat(parts)
+    if isinstance(parts[0], Tensor):
+        shapes = list(dict.fromkeys(tuple(p.shape[1:]) for p in parts))
+        if len(shapes) > 1:
+            raise ValueError(f"`fill_batch=True` cannot pool batches whose examples differ in shape: batches of "
+                             f"{' and '.join(str(tuple(p.shape)) for p in parts[:2])}; train without `fill_batch`, or give "
+                             "the Learner batches of one shape")
+        return torch.cat(parts)
     return type(parts[0])(_cat(list(z)) for z in zip(*parts))
 
 class BatchPool:
@@ -405,15 +443,16 @@ class BatchPool:
 
 @patch
 def _fill(self:LossFilterCallback, idxs:Tensor|None):
-    "Pool this batch's kept examples; train on a full batch when there is one, else skip the step"
+    "Pool this batch's kept examples; train on a full batch when there is one, else skip the step (the pool lives for the fit)"
     b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
     if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
     self.pool.add(b if idxs is None else take(b, idxs))
     last = self.iter == self.n_iter - 1
-    if self.pool.n < self.dl.bs and not last:
+    bs = self.dl.bs
+    if self.pool.n < bs and not (last and self.pool.n > 1):   # a pool of one waits for the next epoch: BatchNorm needs two
         self.learn.xb, self.learn.yb = (), ()            # the Recorder then skips this batch
         raise CancelBatchException()
-    full = self.pool.take(self.pool.n if last else self.dl.bs)
+    full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
     self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
 
 # %% ../nbs/01_batch.ipynb #e12282a9
@@ -589,7 +628,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
         self.keep = keep
 
     def is_active(self): return self.keep < 1 and super().is_active()
-    def select(self, scores): return select_by_rank(scores, self.keep)
+    def select(self, scores): return select_by_rank(scores, self.keep, generator=getattr(self, 'gen', None))
 
 # %% ../nbs/01_batch.ipynb #f02cc611
 class BatchLossFilterCallback(LossFilterCallback):
@@ -625,6 +664,21 @@ def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
     cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch, score, score_precision)
     return self._set_loss_filter(cb)
+
+# %% ../nbs/01_batch.ipynb #ddbdd993
+_fastai_added_cbs = getattr(Learner.added_cbs, 'fastai_added_cbs', Learner.added_cbs)   # fastai's own, also when run twice
+
+@patch
+@contextmanager
+def added_cbs(self:Learner, cbs):
+    "fastai's `added_cbs` (`fit(cbs=...)`): a loss filter among `cbs` stands in for the Learner's own for this fit only"
+    own = next((cb for cb in self.cbs if isinstance(cb, LossFilterBase)), None)
+    try:
+        with _fastai_added_cbs(self, cbs): yield
+    finally:
+        if own is not None and own.learn is None and not any(isinstance(cb, LossFilterBase) for cb in self.cbs): self.add_cb(own)
+
+Learner.added_cbs.fastai_added_cbs = _fastai_added_cbs
 
 # %% ../nbs/01_batch.ipynb #fe917d87
 _fastai_export = getattr(Learner.export, 'fastai_export', Learner.export)   # fastai's own, also when this module is run twice

@@ -124,14 +124,14 @@ class EpochClock(Callback):
 def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_' for c in spec)
 
 def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str='cnn', show_progress:bool=True,
-               diag:Path|None=None, evals_per_epoch:int=1) -> dict:
+               diag:Path|None=None, evals_per_epoch:int=1, cbs:list|None=None) -> dict:
     "Train one method from `seed` and return its timings, work, history and kept shares"
     name, cb_cls, kw, run = parse_method(spec)
     epochs, lr = run.get('epochs', epochs), lr * run.get('lr_mult', 1)
     set_seed(seed, reproducible=True)
     for dl in dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
     clock = EpochClock(evals_per_epoch)
-    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=clock)
+    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[clock] + list(cbs or []))
     if cb_cls is not None: learn.add_cb(cb_cls(**kw))
     if show_progress: learn.fit_one_cycle(epochs, lr)
     else:

@@ -39,4 +39,4 @@ class RandomBatchCallback(LossFilterCallback):
         super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch)
         self.keep = keep
 
-    def select(self, scores): return select_at_random(scores, self.keep)
+    def select(self, scores): return select_at_random(scores, self.keep, generator=getattr(self, 'gen', None))

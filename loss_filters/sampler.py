@@ -11,8 +11,10 @@ from fastai.learner import Learner
 from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from fastai.callback.schedule import ParamScheduler
-from .core import per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, check_range, dist_world, all_reduce_sum
-from .batch import LossFilterBase, plain, _warn_no_op
+from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
+                               check_range, dist_world, all_reduce_sum)
+from fastcore.basics import noop
+from .batch import LossFilterBase, plain, orders_own_batches, unwrapped_loader, _warn_no_op
 
 # %% auto #0
 __all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals', 'rate_ahead',
@@ -59,10 +61,10 @@ def before_fit(self:SamplerPruningCallback):
     LossFilterBase.before_fit(self)   # gives the loader back its own order first, if a fit died with it changed
     if not self.run: return
     dl = self.dls.train
-    inner = dl.dl if _is_distributed_dl(dl) else dl
+    inner = unwrapped_loader(dl)
     if not hasattr(inner, 'get_idxs') or not hasattr(inner, 'n') or not hasattr(inner, 'chunkify'):
         raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it filters the order of its `get_idxs`")
-    if _keeps_batches(inner) and inner is not dl:
+    if _keeps_batches(inner) and (inner is not dl or dist_world()[1] > 1):   # `DistributedTrainer` wraps the loader after this
         raise ValueError(f"{type(self).__name__} cannot prune a {type(inner).__name__} under several processes: it orders its "
                          "batches itself, and the ranks' pruned batches would differ in number")
     if any(isinstance(cb, MixHandler) for cb in self.learn.cbs):
@@ -78,16 +80,12 @@ def _idle_reason(self:SamplerPruningCallback) -> str|None:
 
 @patch
 def _new_records(self:SamplerPruningCallback):
-    "Also an empty score table (NaN: not known yet) and the generator of the pruning draws, at a fit's first epoch"
+    "Also an empty score table (NaN: not known yet), at a fit's first epoch"
     LossFilterBase._new_records(self)
     self.prune_hist = []   # per pruned epoch, `hist_bins` counts of the kept and left-out stale scores: bounded memory
-    dev = next(self.model.parameters()).device
-    self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=dev)
-    seed = torch.randint(2**62, (), dtype=torch.int64)                     # from the global RNG: `set_seed` reproduces it
-    seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))              # rank 0's seed on every rank
-    self.gen = torch.Generator(device=dev).manual_seed(seed)
+    self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=next(self.model.parameters()).device)
 
-_epoch_attrs = ('get_idxs', 'chunkify', 'sample')   # what an epoch sets on the loader instance, over its class's methods
+_epoch_attrs = ('get_idxs', 'chunkify', 'sample', 'randomize')   # what an epoch sets on the loader instance, over its class's methods
 
 @patch
 def _restore(self:SamplerPruningCallback):
@@ -122,7 +120,7 @@ class _KeptBatches:
 
 def _keeps_batches(dl) -> bool:
     "Whether `dl` orders its items itself (`SortedDL` sorts each batch by length): its batches are kept, pruned inside"
-    return type(dl).get_idxs is not DataLoader.get_idxs
+    return orders_own_batches(dl)
 
 def _is_distributed_dl(dl) -> bool: return hasattr(dl, 'world_size') and hasattr(dl, 'rank') and hasattr(dl, 'dl')
 
@@ -156,7 +154,8 @@ def _not_one(m:Tensor) -> Tensor:
 @patch
 def _epoch_batches(self:SamplerPruningCallback, inner, keep:Tensor) -> tuple:
     "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting)"
-    own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)
+    inner.randomize()      # what `DataLoader.__iter__` does first; the epoch then skips it (`randomize` is set to `noop` for it),
+    own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)   # so the loader draws exactly what a plain epoch draws
     if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
     bs, kept = inner.bs, keep.cpu()
     if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
@@ -184,7 +183,7 @@ def before_train(self:SamplerPruningCallback):
     if world > 1: sizes = [min(inner.bs, len(self.rank_order) - i) for i in range(0, len(self.rank_order), inner.bs)]
     self._starts = [0] + list(itertools.accumulate(sizes))
     self._saved = (dl, inner, inner.n)
-    dl.get_idxs = _FixedOrder(self.rank_order.tolist())
+    dl.get_idxs, inner.randomize = _FixedOrder(self.rank_order.tolist()), noop
     if _keeps_batches(inner):
         kb = _KeptBatches(inner, sizes)
         inner.sample, inner.chunkify, inner.n = kb.sample, kb.chunkify, len(sizes) * inner.bs   # `len(dl)`: its kept batches
@@ -225,10 +224,8 @@ def after_loss(self:SamplerPruningCallback):
     self.n_trained += len(idx); self.fit_trained += len(idx)
     self.hist.add(scores, self.train_iter)
     self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
-    if self.weights is not None:   # the policy's loss weights for this epoch
-        w = self.weights[idx].to(losses.dtype)
-        reduce = torch.sum if getattr(self.score_func, 'reduction', 'mean') == 'sum' else torch.mean
-        self.learn.loss_grad = reduce(losses * w)
+    if self.weights is not None:   # the policy's loss weights for this epoch, reduced as the user's loss reduces
+        self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, self.weights[idx].to(losses.dtype))
 
 @patch
 def _lr_factor(self:SamplerPruningCallback) -> float: return self._lr_mult

@@ -30,6 +30,10 @@ def digits_dls(digits): return make_dls(*digits, bs=64)
 
 def mlp(n_in=64, n_out=10): return nn.Sequential(nn.Flatten(), nn.Linear(n_in, 32), nn.ReLU(), nn.Linear(32, n_out))
 
+def bn_mlp(n_in=64, n_out=10):
+    "An MLP with `BatchNorm1d`, which fails in training mode on a batch of one"
+    return nn.Sequential(nn.Flatten(), nn.Linear(n_in, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, n_out))
+
 def bn_cnn(n_out=10):
     return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1),
                          nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, n_out))

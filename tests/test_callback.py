@@ -415,17 +415,18 @@ def test_fill_batch_trains_every_selected_example_once_in_full_batches(make):
     learn = learner(dls, IdModel(), metrics=accuracy, cbs=[cb, raw, trained])
     fit(learn, 3)
     n_batches = len(dls.train)
-    calls = iter(spy.calls)
+    calls, waiting = iter(spy.calls), []
     for ep in range(3):
-        selected = []
+        selected = list(waiting)                       # the pool is first in, first out, and lives for the fit
         for e, i, ids in raw.ids:
             if e != ep: continue
             filtered = isinstance(cb, BatchLossFilterCallback) or (i + 1) % 3 != 0
-            selected += (ids[next(calls)[1]] if filtered else ids).tolist()
+            selected += (ids[next(calls)[1].sort().values] if filtered else ids).tolist()
         steps = [ids for e, ids in trained.ids if e == ep]
         got = torch.cat(steps).tolist()
-        assert sorted(got) == sorted(selected) and len(set(got)) == len(got)    # each selected example exactly once
-        assert all(len(s) == 32 for s in steps[:-1]) and 1 <= len(steps[-1]) < 64
+        assert got == selected[:len(got)] and len(selected) - len(got) < 32   # in order, each once; less than a batch waits
+        waiting = selected[len(got):]
+        assert all(len(s) == 32 for s in steps[:-1]) and 2 <= len(steps[-1]) <= 32
         assert len(steps) < n_batches                                              # fewer, fuller steps
     samp = col(learn, 'samp_perc')
     assert all(s < 1 for s in samp)

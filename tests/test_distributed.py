@@ -68,6 +68,14 @@ def test_stale_pruning_shares_the_table_and_splits_the_epoch(ranks):
     assert r0['values'][0][i] == 1. and r0['values'][1][i] == (len(own0) + len(own1)) / plain   # what trained, over a plain epoch
     assert r0['pct_end'] == pytest.approx(1., abs=1e-6)           # the schedule ends at 100% with fewer batches
 
+@pytest.mark.parametrize('method', ddp_worker.METHODS)
+def test_the_norm_statistics_count_training_steps_only(ranks, method):
+    "DDP broadcasts rank 0's BatchNorm buffers: on both ranks they count rank 0's steps, never a scoring pass"
+    for r in ranks: assert r[method]['tracked'] == ranks[0][method]['steps'] > 0
+
+def test_a_sorted_loader_is_refused_under_several_processes(ranks):
+    for r in ranks: assert 'cannot prune a SortedDL under several processes' in r['sorted_error']
+
 def test_fill_batch_is_refused_before_training(ranks):
     for r in ranks: assert '`fill_batch=True` cannot run with several processes' in r['fill_batch_error']
 

@@ -57,12 +57,13 @@ def test_stale_then_hide(digits_dls):
 
 def test_fit_cbs_replaces_the_filter_for_that_fit(digits_dls):
     learn = learner(digits_dls).batch_loss_filter(skip_epochs=0)
+    own = learn.loss_filter
     sb = SelectiveBackpropCallback(keep=.25, start=0., interrupt=0)
     with pytest.warns(UserWarning, match='SelectiveBackpropCallback replaces BatchLossFilterCallback'): fit(learn, 1, cbs=sb)
     assert sb.stats and all(b['kept'] == 16 for b in sb.stats)            # the filter given to `fit` acted
-    assert filters(learn) == [] and not hasattr(learn, 'loss_filter')     # and left with the fit, as `cbs=` callbacks do
+    assert learn.loss_filter is own and own.learn is learn and sb.learn is None   # it left with the fit: the Learner's own is back
     fit(learn, 1)
-    assert 'samp_perc' not in learn.recorder.metric_names
+    assert list(learn.recorder.metric_names).count('samp_perc') == 1 and own.epoch_stats
 
 def test_learner_cbs_keep_the_last_filter(digits_dls):
     with pytest.warns(UserWarning, match='RandomPruningCallback replaces BatchLossFilterCallback'):
