@@ -10,7 +10,8 @@ from .core import *
 from .batch import *
 from .sampler import *
 from .controls import *
+from .compare import compare_filters, Comparison
 
 # %% ../nbs/07_all.ipynb #a11c0de4
 from . import core, batch, sampler, controls
-__all__ = [n for m in (core, batch, sampler, controls) for n in m.__all__]   # what each module publishes
+__all__ = [n for m in (core, batch, sampler, controls) for n in m.__all__] + ['compare_filters', 'Comparison']   # and the comparison
