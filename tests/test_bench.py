@@ -331,3 +331,20 @@ def test_console_script_takes_both_option_spellings(tmp_path, spelling):
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['n_train'] == 300 and saved['evals_per_epoch'] == 2 and saved['score_cost'] == .5
+
+# ------------------------------------------------------------------ the augmented preset: crop and flip on a long schedule
+def test_aug_preset_settings_are_pinned():
+    "The regime the recipes were published for: crop and flip, 68 epochs (the plain model's plateau), every control"
+    from loss_filters.bench import PRESETS
+    assert PRESETS['aug'] == dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000,
+                                  n_valid=5_000, methods='baseline blf sb stale hide', budgets='.6 .75 .9')
+    assert PRESETS['long']['augment'] is False   # the clean, short-schedule regime stays beside it
+
+def test_a_shortened_aug_preset_runs_with_its_controls(tmp_path):
+    res = lf_bench(data='digits', preset='aug', epochs=3, n_train=400, n_valid=200, bs=64, methods='baseline stale', score_cost=.3,
+                   out=str(tmp_path), quiet=True)
+    assert res['preset'] == 'aug' and res['augment'] is True and res['epochs'] == 3 and res['lr'] == 4.8e-2
+    assert res['controls']['budgets'] == ['baseline:epochs=2'] and list(res['controls']['random']) == ['stale']
+    methods = [r['method'] for r in res['summary']]
+    assert methods[:3] == ['baseline', 'stale', 'baseline:epochs=2'] and methods[3].startswith('random:')
+    assert (tmp_path / 'accuracy_vs_budget.png').stat().st_size > 0

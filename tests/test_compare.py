@@ -6,7 +6,8 @@ from torch import nn
 from fastai.basics import Callback, CrossEntropyLossFlat
 from fastai.metrics import accuracy, error_rate
 from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize
-from fastai.vision.all import ImageDataLoaders, Learner
+from fastai.vision.all import (ImageDataLoaders, Learner, DataBlock, ImageBlock, MaskBlock, MultiCategoryBlock, BCEWithLogitsLossFlat,
+                                accuracy_multi, foreground_acc)
 from fastai.text.all import TextDataLoaders, text_classifier_learner, AWD_LSTM
 from loss_filters.compare import compare_filters, Comparison
 from loss_filters.sampler import plain_epoch_size
@@ -100,25 +101,52 @@ def test_clear_errors_before_anything_trains():
 
 @pytest.fixture(scope='module')
 def image_folder(tmp_path_factory):
-    "48 RGB 16x16 images, the label the channel of a bright square"
+    "48 RGB 16x16 images with a bright square in one or two channels: the label is the first one, the labels all of them; masks of the squares"
     root, rng = tmp_path_factory.mktemp('cmp_imgs'), random.Random(0)
-    fnames, labels = [], []
+    (root / 'masks').mkdir()
+    fnames, labels, multi = [], [], {}
     for i in range(48):
-        img, c = np.random.RandomState(i).randint(0, 40, (16, 16, 3)).astype(np.uint8), i % 3
+        img, mask, c = np.random.RandomState(i).randint(0, 40, (16, 16, 3)).astype(np.uint8), np.zeros((16, 16), np.uint8), i % 3
+        chans = [c] + ([(c + 1) % 3] if i % 2 else [])
         r, q = rng.randrange(10), rng.randrange(10)
-        img[r:r + 6, q:q + 6, c] = 255
-        Image.fromarray(img).save(root / f'{i}.png'); fnames.append(root / f'{i}.png'); labels.append('rgb'[c])
-    return fnames, labels
+        for ch in chans: img[r:r + 6, q:q + 6, ch] = 255
+        mask[r:r + 6, q:q + 6] = 1
+        Image.fromarray(img).save(root / f'{i}.png'); Image.fromarray(mask).save(root / 'masks' / f'{i}.png')
+        fnames.append(root / f'{i}.png'); labels.append('rgb'[c]); multi[f'{i}.png'] = ' '.join('rgb'[ch] for ch in chans)
+    return fnames, labels, multi
+
+def small_cnn(n_out, seg=False):
+    body = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+    head = [nn.Conv2d(8, n_out, 1)] if seg else [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8, n_out)]
+    return nn.Sequential(*body, *head)
+
+def block_dls(fnames, blocks, get_y):
+    return DataBlock(blocks=blocks, get_y=get_y, splitter=lambda items: (list(range(36)), list(range(36, len(items))))
+                    ).dataloaders(fnames, bs=8, device='cpu', num_workers=0)
 
 def test_vision_learner(image_folder):
-    fnames, labels = image_folder
+    fnames, labels, _ = image_folder
     def make():
         dls = ImageDataLoaders.from_lists(fnames[0].parent, fnames, labels, valid_pct=.25, seed=0, bs=8, device='cpu', num_workers=0)
-        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8, 3))
-        return Learner(dls, net, loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+        return Learner(dls, small_cnn(3), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     spy = FirstEpochBatches()
     cmp = compare_filters(make, 'baseline sb:start=0,keep=.5', epochs=2, lr=1e-2, seeds=1, controls=False, cbs=[spy], show_progress=False)
     assert same_batches(*spy.fits) and cmp.table.loc['sb:start=0,keep=.5', 'samp_perc'] < 1
+
+def test_segmentation_learner(image_folder):
+    fnames = image_folder[0]
+    make = lambda: Learner(block_dls(fnames, (ImageBlock, MaskBlock(codes=['bg', 'sq'])), lambda p: p.parent / 'masks' / p.name),
+                           small_cnn(2, seg=True), loss_func=CrossEntropyLossFlat(axis=1), metrics=foreground_acc)
+    cmp = compare_filters(make, 'baseline sb:start=0,keep=.5 stale', epochs=2, lr=1e-2, seeds=1, controls=False, show_progress=False)
+    assert cmp.metric == 'foreground_acc' and cmp.sign == 1
+    assert cmp.table.loc['sb:start=0,keep=.5', 'samp_perc'] < 1 and cmp.table.loc['stale', 'work'] < 2
+
+def test_multi_label_learner(image_folder):
+    fnames, _, multi = image_folder
+    make = lambda: Learner(block_dls(fnames, (ImageBlock, MultiCategoryBlock), lambda p: multi[p.name].split()), small_cnn(3),
+                           loss_func=BCEWithLogitsLossFlat(), metrics=accuracy_multi)
+    cmp = compare_filters(make, 'baseline blf:skip_epochs=0', epochs=2, lr=1e-2, seeds=1, controls=False, show_progress=False)
+    assert cmp.metric == 'accuracy_multi' and cmp.table.loc['blf:skip_epochs=0', 'samp_perc'] < 1
 
 def text_df():
     rng, words, rows = random.Random(0), 'the a film plot actor scene music story long short'.split(), []
