@@ -348,3 +348,20 @@ def test_a_shortened_aug_preset_runs_with_its_controls(tmp_path):
     methods = [r['method'] for r in res['summary']]
     assert methods[:3] == ['baseline', 'stale', 'baseline:epochs=2'] and methods[3].startswith('random:')
     assert (tmp_path / 'accuracy_vs_budget.png').stat().st_size > 0
+
+def test_a_seed_whose_plain_schedules_miss_the_target_counts_their_longest_cost_as_a_lower_bound():
+    "Paired by seed against the cheapest plain schedule: where none of a seed's plain runs gets there, the longest one's cost stands in"
+    from loss_filters.bench import add_verdicts
+    mk = lambda m, sd, accs, w: dict(method=m, seed=sd, repeat=0, epochs=len(accs), train_s=10. * len(accs), wall_s=10. * len(accs),
+                                     final_accuracy=accs[-1], mean_samp_perc=.5, work=w * len(accs), lr_mult=1.,
+                                     history=[dict(train_s=10. * (i + 1), accuracy=a, work=w * (i + 1)) for i, a in enumerate(accs)])
+    runs = [mk('baseline', 0, [.8, .9], 1.), mk('baseline', 1, [.8, .85], 1.),        # seed 1's plain model never gets to .89
+            mk('baseline:epochs=1', 0, [.85], 1.), mk('baseline:epochs=1', 1, [.84], 1.),
+            mk('blf', 0, [.85, .9], .5), mk('blf', 1, [.85, .9], .5)]
+    rows, target = summarise(runs, target=.89)
+    add_verdicts(rows, ['baseline:epochs=1'], {}, 2, target, runs=runs)
+    blf = next(r for r in rows if r['method'] == 'blf')
+    # blf gets to .89 at 0.9 of work (interpolated between its checks); seed 0's cheapest plain schedule is where the budget curve
+    # crosses .89, 1.8; seed 1's plain runs never get there, so its longest one's 2.0 stands in
+    assert blf['vs_best_plain_work_ci'] == pytest.approx((1.8 / .9, 2 / .9))
+    assert blf['vs_best_plain_work_x'] == pytest.approx((1.8 / .9 + 2 / .9) / 2)
