@@ -14,4 +14,4 @@ from .compare import compare_filters, Comparison
 
 # %% ../nbs/07_all.ipynb #a11c0de4
 from . import core, batch, sampler, controls
-__all__ = [n for m in (core, batch, sampler, controls) for n in m.__all__] + ['compare_filters', 'Comparison']   # and the comparison
+__all__ = [n for m in (core, batch, sampler) for n in m.__all__] + ['compare_filters', 'Comparison']   # the controls are in batch and sampler

@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
 from fastcore.basics import store_attr, patch
+from fastcore.meta import delegates
 from fastcore.foundation import L
 from fastai.torch_core import find_bs
 from fastai.callback.core import Callback, CancelBatchException
@@ -22,8 +23,8 @@ from .core import _acc_dtype
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'unwrapped_loader', 'orders_own_batches', 'plain', 'take',
-           'LossFilterBase', 'LossFilterCallback', 'LossFilterColumns', 'BatchPool', 'SelectiveBackpropCallback',
-           'BatchLossFilterCallback']
+           'LossFilterBase', 'LossFilterCallback', 'LossFilterColumns', 'warn_no_op', 'BatchPool',
+           'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'RandomBatchCallback']
 
 # %% ../nbs/01_batch.ipynb #a916e4ff
 @contextmanager
@@ -168,13 +169,15 @@ class LossFilterColumns(Callback):
     def after_validate(self):
         if self.shown: self.recorder.log += [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
 
-def _warn_no_op(cb, setting:str, why:str):
+def warn_no_op(cb, # the filter
+               setting:str, # the setting that leaves it nothing to do, e.g. `'keep=1'`
+               why:str): # what that setting does
     "Warn that `setting` leaves the filter `cb` nothing to do: the fit trains like plain fastai"
     warnings.warn(f"{type(cb).__name__}({setting}) {why}, so the fit trains as plain fastai would", stacklevel=3)
 
-def _check_kwargs(cls, kwargs:dict, to):
-    "Refuse a keyword argument that neither `cls` nor `to`, where its `**kwargs` go, takes, naming `cls` and its arguments"
-    names = [p for f in (cls.__init__, to) for p in inspect.signature(f).parameters if p not in ('self', 'kwargs')]
+def _check_kwargs(cls, kwargs:dict):
+    "Refuse a keyword argument that `cls`'s signature (with what `delegates` adds) lacks, naming `cls` and its arguments"
+    names = [p for p in inspect.signature(cls).parameters if p not in ('self', 'kwargs')]
     bad = [k for k in kwargs if k not in names]
     if bad: raise TypeError(f"{cls.__name__} got an unexpected keyword argument {bad[0]!r}; "
                             f"its arguments are {', '.join(dict.fromkeys(names))}")
@@ -622,7 +625,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
                  score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
         check_range('keep', keep, 0, 1, lo_open=True)
-        if keep == 1: _warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
+        if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
                          score_precision=score_precision)
         self.keep = keep
@@ -631,6 +634,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
     def select(self, scores): return select_by_rank(scores, self.keep, generator=getattr(self, 'gen', None))
 
 # %% ../nbs/01_batch.ipynb #f02cc611
+@delegates()
 class BatchLossFilterCallback(LossFilterCallback):
     "Batch Loss Filter: from epoch `skip_epochs` of each fit on, train on the highest-loss examples carrying `min_loss_perc` of each batch's loss"
     def __init__(self,
@@ -640,11 +644,26 @@ class BatchLossFilterCallback(LossFilterCallback):
                  **kwargs): # `start`, `end`, `interrupt`, `scale_factor`, `fill_batch`, `score`, `score_precision` of `LossFilterCallback`
         check_range('min_sample_perc', min_sample_perc, 0, 1)
         check_range('min_loss_perc', min_loss_perc, 0, 1, lo_open=True)   # 0 would train on one example a batch
-        _check_kwargs(type(self), kwargs, LossFilterCallback.__init__)
-        if min_sample_perc == 1: _warn_no_op(self, 'min_sample_perc=1', 'keeps every example of each batch and only adds a scoring pass')
+        _check_kwargs(type(self), kwargs)
+        if min_sample_perc == 1: warn_no_op(self, 'min_sample_perc=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(skip_epochs=skip_epochs, **kwargs)
         store_attr('min_sample_perc,min_loss_perc')
     def select(self, scores): return select_by_loss_share(scores, self.min_loss_perc, self.min_sample_perc)
+
+# %% ../nbs/01_batch.ipynb #1f563ae3
+class RandomBatchCallback(LossFilterCallback):
+    "Control for batch filters: train on a uniformly random share `keep` of each filtered batch, on a filter's schedule"
+    same_count = True   # `max(1, round(keep*n))` of every batch
+    def __init__(self,
+                 keep:float=.5, # share of each filtered batch kept, in (0, 1]
+                 start:float=0., end:float=1., interrupt:int=0, skip_epochs:int=0, # the schedule of the filter it controls
+                 fill_batch:bool=False): # pool kept examples into full batches, as the filter does
+        check_range('keep', keep, 0, 1, lo_open=True)
+        if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
+        super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch)
+        self.keep = keep
+
+    def select(self, scores): return select_at_random(scores, self.keep, generator=getattr(self, 'gen', None))
 
 # %% ../nbs/01_batch.ipynb #255d746b
 @patch
@@ -653,16 +672,17 @@ def _set_loss_filter(self:Learner, cb:LossFilterBase):
     return self.add_cb(cb)
 
 @patch
+@delegates(BatchLossFilterCallback)
 def batch_loss_filter(self:Learner, min_sample_perc:float=0., min_loss_perc:float=.9, **kwargs):
     "Train on the highest-loss examples of each batch carrying `min_loss_perc` of its loss (`BatchLossFilterCallback`)"
-    cb = BatchLossFilterCallback(min_sample_perc, min_loss_perc, **kwargs)
+    cb = BatchLossFilterCallback(min_sample_perc, min_loss_perc, **kwargs)   # bad settings fail before the Learner is touched
     return self._set_loss_filter(cb)
 
 @patch
-def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, scale_factor:float=1.,
-                       fill_batch:bool=False, score:str='loss', score_precision:str='full'):
+@delegates(SelectiveBackpropCallback)
+def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, **kwargs):
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
-    cb = SelectiveBackpropCallback(keep, start, end, interrupt, scale_factor, fill_batch, score, score_precision)
+    cb = SelectiveBackpropCallback(keep, start, end, interrupt, **kwargs)
     return self._set_loss_filter(cb)
 
 # %% ../nbs/01_batch.ipynb #ddbdd993

@@ -12,8 +12,8 @@ from torch import nn
 from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
 from .batch import LossFilterCallback, frozen_norm_stats, plain, take
-from .data import load_dls, simple_cnn, simple_mlp, CropFlip
-from .models import WideResNet
+from .data import load_dls, CropFlip
+from .models import WideResNet, simple_cnn, simple_mlp
 from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost
 from .verdicts import best_plain, format_table, verdict_lines
 from .plots import plot_results, plot_budget

@@ -17,8 +17,7 @@ from .core import check_range
 # %% auto #0
 __all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx', 'write_idx',
            'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet', 'TensorDL', 'tensor_dls',
-           'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like',
-           'simple_cnn', 'simple_mlp']
+           'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like']
 
 # %% ../nbs/02_data.ipynb #9ea389b7
 class IdxFormatError(ValueError):
@@ -235,21 +234,4 @@ def make_cifar_like(dest:str|Path, n_per_class:int=4, classes:list=CIFAR_CLASSES
     return dest
 
 # %% ../nbs/02_data.ipynb #e9d5fabb
-def _block(ni, nf): return nn.Sequential(nn.Conv2d(ni, nf, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(nf), nn.ReLU(inplace=True))
-
-def simple_cnn(n_in:int=1, # input channels
-               n_out:int=10, # classes
-               widths:tuple=(32, 64, 128) # channels of the conv blocks
-              ) -> nn.Sequential:
-    "Conv-BatchNorm-ReLU blocks with stride 2, global average pooling and a linear head"
-    ws = (n_in, *widths)
-    return nn.Sequential(*[_block(a, b) for a, b in zip(ws, ws[1:])], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(ws[-1], n_out))
-
-def simple_mlp(n_in:int=784, # input features (pixels of a flattened image)
-               n_out:int=10, # classes
-               widths:tuple=(256, 128) # units of the hidden layers
-              ) -> nn.Sequential:
-    "A cheap model: flatten, Linear-ReLU layers, a linear head; the kind `tabular_learner` builds"
-    ws = (n_in, *widths)
-    return nn.Sequential(nn.Flatten(), *[nn.Sequential(nn.Linear(a, b), nn.ReLU(inplace=True)) for a, b in zip(ws, ws[1:])],
-                         nn.Linear(ws[-1], n_out))
+from .models import simple_cnn, simple_mlp   # the bench models live in `loss_filters.models`; this path stays

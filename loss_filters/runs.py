@@ -10,9 +10,8 @@ import torch
 from fastai.basics import Callback, set_seed, find_bs, CancelFitException
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
-from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, frozen_norm_stats, plain
-from .sampler import StaleLossPruningCallback, HideLearnedCallback, plain_epoch_size
-from .controls import RandomPruningCallback, RandomBatchCallback
+from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, frozen_norm_stats, plain
+from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'parse_method', 'lower_is_better', 'metric_sign', 'sync_device',

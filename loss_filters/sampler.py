@@ -7,18 +7,19 @@ from __future__ import annotations
 import itertools, math, numpy as np, torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
+from fastcore.meta import delegates
 from fastai.learner import Learner
 from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
-                               check_range, dist_world, all_reduce_sum)
+                               check_range, dist_world, all_reduce_sum, prune_at_random)
 from fastcore.basics import noop
-from .batch import LossFilterBase, plain, orders_own_batches, unwrapped_loader, _warn_no_op
+from .batch import LossFilterBase, plain, orders_own_batches, unwrapped_loader, warn_no_op
 
 # %% auto #0
 __all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals', 'rate_ahead',
-           'HideLearnedCallback']
+           'HideLearnedCallback', 'RandomPruningCallback']
 
 # %% ../nbs/05_sampler.ipynb #d83c4f1e
 class SamplerPruningCallback(LossFilterBase):
@@ -47,7 +48,7 @@ class StaleLossPruningCallback(SamplerPruningCallback):
                  score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
                  lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
         check_range('prune', prune, 0, 1, hi_open=True)
-        if prune == 0: _warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
+        if prune == 0: warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
         super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
         self.prune = prune
 
@@ -289,9 +290,10 @@ def plot_diagnostics(self:SamplerPruningCallback):
     return fig
 
 @patch
-def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, score:str='loss', lr_scale:bool=False):
+@delegates(StaleLossPruningCallback)
+def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, **kwargs):
     "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
-    cb = StaleLossPruningCallback(prune, anneal, score, lr_scale)
+    cb = StaleLossPruningCallback(prune, anneal, **kwargs)
     return self._set_loss_filter(cb)
 
 # %% ../nbs/05_sampler.ipynb #f3a1c2d5
@@ -317,7 +319,7 @@ class HideLearnedCallback(SamplerPruningCallback):
         check_range('max_hide', max_hide, 0, 1, hi_open=True)
         check_range('confidence', confidence, 0, 1, lo_open=True)
         if not isinstance(follow_lr, bool): raise TypeError(f"`follow_lr` must be True or False, got {follow_lr!r}")
-        if max_hide == 0: _warn_no_op(self, 'max_hide=0', 'hides no example from any epoch')
+        if max_hide == 0: warn_no_op(self, 'max_hide=0', 'hides no example from any epoch')
         super().__init__(anneal=anneal, lr_scale=lr_scale)
         store_attr('max_hide,confidence,follow_lr')
 
@@ -337,7 +339,23 @@ class HideLearnedCallback(SamplerPruningCallback):
         return keep, None
 
 @patch
-def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, lr_scale:bool=True, anneal:float=.125, follow_lr:bool=True):
+@delegates(HideLearnedCallback)
+def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, **kwargs):
     "Hide the examples learned with confidence from each epoch, with a raised rate for its fewer steps (`HideLearnedCallback`)"
-    return self._set_loss_filter(HideLearnedCallback(max_hide, confidence, lr_scale, anneal, follow_lr))
+    cb = HideLearnedCallback(max_hide, confidence, **kwargs)
+    return self._set_loss_filter(cb)
 
+
+# %% ../nbs/05_sampler.ipynb #a5d3e1d1
+class RandomPruningCallback(SamplerPruningCallback):
+    "Control for sampler-level pruning: each pruned epoch trains on a uniformly random share `keep` of the data"
+    def __init__(self,
+                 keep:float=.7, # share of the dataset in each pruned epoch, in (0, 1]
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 lr_scale:bool=False): # raise the rate in a pruned epoch as `HideLearnedCallback` does: its control with the raise
+        check_range('keep', keep, 0, 1, lo_open=True)
+        if keep == 1: warn_no_op(self, 'keep=1', 'leaves no example out of any epoch')
+        super().__init__(anneal=anneal, lr_scale=lr_scale)
+        self.keep = keep
+
+    def epoch_keep(self): return prune_at_random(len(self.table), self.keep, self.gen, self.table.device), None

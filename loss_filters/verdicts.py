@@ -5,9 +5,8 @@
 # %% ../nbs/09_verdicts.ipynb #afcfa65d
 from __future__ import annotations
 import math, random, statistics
-from .batch import LossFilterCallback
-from .sampler import SamplerPruningCallback
-from .controls import RandomPruningCallback, RandomBatchCallback
+from .batch import LossFilterCallback, RandomBatchCallback
+from .sampler import SamplerPruningCallback, RandomPruningCallback
 from .runs import parse_method, time_to_target
 
 # %% auto #0
