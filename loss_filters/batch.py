@@ -23,7 +23,7 @@ from .core import _acc_dtype
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'unwrapped_loader', 'orders_own_batches', 'plain', 'take',
-           'LossFilterBase', 'LossFilterCallback', 'LossFilterColumns', 'warn_no_op', 'BatchPool',
+           'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'LossFilterCallback', 'BatchPool',
            'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'RandomBatchCallback']
 
 # %% ../nbs/01_batch.ipynb #a916e4ff
@@ -84,7 +84,7 @@ def take(b:tuple, idxs:Tensor) -> tuple:
     idxs = plain(idxs)
     return _apply(lambda t: _index(t, idxs if idxs.device == t.device else idxs.to(t.device)), tuple(b))
 
-# %% ../nbs/01_batch.ipynb #d921bfeb
+# %% ../nbs/01_batch.ipynb #1cd8c817
 class LossFilterBase(Callback):
     "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
     order,run_valid = MixHandler.order-1,False
@@ -116,36 +116,241 @@ class LossFilterBase(Callback):
         self.__dict__['_learn'] = learn
         if learn is not None: self._join(learn)
 
-PRECISIONS = dict(full=None, bf16=torch.bfloat16, fp16=torch.float16)   # `score_precision` -> autocast dtype
+    def _join(self, learn:Learner):
+        "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
+        for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
+            warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
+                          "a Learner trains with one filter at a time", stacklevel=4)
+            learn.remove_cb(old)
+        if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
+        if self.columns not in learn.cbs: learn.add_cb(self.columns)
 
-class LossFilterCallback(LossFilterBase):
-    "Score each training batch without gradients and train only on the examples `select` keeps"
-    def __init__(self,
-                 start:float=0., # fraction of training at which filtering starts, in [0, 1]
-                 end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
-                 interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
-                 scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
-                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered (`fine_tune` runs two fits)
-                 fill_batch:bool=False, # pool kept examples and train only on full batches
-                 score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
-                 score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
-        check_schedule(start, end, interrupt)
-        check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
-        check_int('skip_epochs', skip_epochs)
-        if score_precision not in PRECISIONS:
-            raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
-        super().__init__(score=score)
-        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision')
-        self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
+    def _leave(self, learn:Learner):
+        "Give `learn` back as it was before the filter joined, however its last fit ended"
+        self._restore()
+        if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
 
-    def select(self, scores:Tensor) -> Tensor:
-        "Indices of the examples to train on, from their per-example `scores`"
-        raise NotImplementedError
+    def _restore(self):
+        "Undo what a fit changed outside the callback: the scheduled learning rate, if a step died raised"
+        self._lr_back()
 
-    def is_active(self) -> bool:
-        "Whether this training batch is filtered"
-        learn = self.learn
-        return learn.epoch >= self.skip_epochs and should_select(learn.pct_train, learn.iter, self.start, self.end, self.interrupt)
+    def before_fit(self):
+        self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
+        self._restore()   # a fit that died by an exception ran no `after_fit`
+        self._training, self._checked, self._loss_checked, self.scoring = False, False, False, False
+        if not self.run: return
+        others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
+        if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
+                                    "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
+        check_per_sample(self.learn.loss_func)
+        if dist_world()[1] > 1: self._check_distributed()
+        self.score_func, self._fresh = self.learn.loss_func, True
+
+    def _check_distributed(self):
+        "Refuse what would let the ranks step at different batches: where the kept count depends on the data, it differs by rank"
+        if self.same_count: return
+        if getattr(self, 'fill_batch', False):
+            raise ValueError(f"{type(self).__name__} with `fill_batch=True` cannot run with several processes: its kept count depends "
+                             "on each rank's data, so the ranks would skip different steps and DistributedDataParallel would "
+                             "wait forever for the missing gradients")
+        if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
+            raise ValueError(f"{type(self).__name__} cannot run beside `GradientAccumulation` with several processes: it counts "
+                             "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
+
+    def _new_records(self):
+        "Empty records, score histogram and work counters, made at a fit's first training epoch"
+        self.stats, self.epoch_stats, self.lr_stats, self._warned = L(), L(), [], False
+        self.fit_trained = self.fit_scored = 0
+        self.pool = BatchPool()   # `fill_batch`'s kept examples waiting for a full batch: what the last batch leaves waits for the next epoch
+        self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
+        self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+
+    def after_fit(self): self._restore()
+
+    def _idle_reason(self) -> str|None:
+        "Why the filter will not act in this fit, with the setting to change; None when it will act"
+
+    def _warn_if_idle(self):
+        "Say so, before the fit's first batch, when the fit is too short for the filter to act"
+        why = self._idle_reason()
+        if why: warnings.warn(f"{type(self).__name__} will not act in this fit of {self.learn.n_epoch} epoch(s): {why}", stacklevel=2)
+
+    def before_train(self):
+        if self._fresh: self._new_records(); self._warn_if_idle()   # not in `before_fit`, which `learn.validate()` runs too
+        self._fresh, self._training = False, True
+        self._new_epoch()
+
+    def _new_epoch(self):
+        "Zero the epoch's counts and sums"
+        self.n_seen, self.n_kept, self.n_trained, self.n_scored, self._n_loss = 0, 0, 0, 0, 0
+        self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
+        self._batches, self._plain_losses, self.iter0 = [], [], self.train_iter
+
+    def _fold_epoch(self):
+        "The epoch's sums, per-batch records and histogram rows from the kept batch tensors, on their device, in one pass"
+        if self._plain_losses:
+            ls, ns = zip(*self._plain_losses)
+            per = torch.stack([l.float() for l in ls]).to(_acc_dtype(ls[0]))
+            sizes = per.new_tensor(ns)
+            total = (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
+            if not getattr(self, '_mixing', False): self._loss_sum, self._n_loss = self._loss_sum + total, self._n_loss + sum(ns)
+            self._loss_kept, self._loss_scored = self._loss_kept + total, self._loss_scored + total   # trained in full
+        if not self._batches: return
+        its, losses, scores, idxs = zip(*self._batches)
+        sizes, kept = [len(s) for s in scores], [len(i) for i in idxs]
+        losses, scores, dev = torch.cat(losses), torch.cat(scores), scores[0].device
+        nb, starts = len(sizes), torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)
+        seg = torch.repeat_interleave(torch.arange(nb, device=dev), torch.tensor(sizes, device=dev))
+        flat = torch.cat(idxs).to(dev) + torch.repeat_interleave(starts, torch.tensor(kept, device=dev))
+        mask = torch.zeros_like(scores, dtype=torch.bool); mask[flat] = True
+        ok, acc = scores.isfinite(), _acc_dtype(scores)   # sums in float64: a kept share never exceeds 1 by rounding
+        fin = torch.where(ok, scores, 0.).to(acc)
+        total, kept_sum = _segment_sum(fin, seg, nb), _segment_sum(fin * mask, seg, nb)
+        lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
+        full = _segment_sum(lfin, seg, nb)
+        self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
+        if getattr(self, 'scale_factor', 1) == 1:   # a downsampled input's loss is another quantity: `full_train_loss` leaves it out
+            self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
+        self._n_bad = self._n_bad + (~ok).sum()
+        share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
+        rows = torch.stack([share, full / full.new_tensor(sizes)]).tolist()
+        self.stats += [dict(iter=i, kept=k, bs=b, loss_share=s, full_loss=f, epoch=self.epoch)
+                       for i, k, b, s, f in zip(its, kept, sizes, *rows)]
+        self.hist.add_many(scores, torch.repeat_interleave(torch.tensor(its, device=dev), torch.tensor(sizes, device=dev)), mask)
+
+    def _reduce_sums(self):
+        "Sum the epoch's counts over all ranks, in one collective (nothing to do with one process)"
+        if dist_world()[1] == 1: return
+        names = self._local_sums
+        tot = all_reduce_sum(torch.stack([torch.as_tensor(getattr(self, k)).detach().to('cpu', torch.float64) for k in names]))
+        for k, v in zip(names, tot.tolist()): setattr(self, k, v)
+
+    def after_train(self):
+        self._fold_epoch()
+        self._reduce_sums()
+        scored = float(self._loss_scored)
+        self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=min(1., self.n_trained / self.n_seen) if self.n_seen else 1.,
+                                     loss_perc=min(1., float(self._loss_kept) / scored) if scored > 0 else 1.,
+                                     full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
+                                     iter0=self.iter0, n_iter=self.train_iter - self.iter0))
+        n_bad = int(self._n_bad)
+        if n_bad and not self._warned:
+            self._warned = True
+            warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite {self.score} this epoch; they were kept as the hardest")
+
+    def _samp_perc(self): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
+
+    def _loss_perc(self): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
+
+    def _full_loss(self): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
+
+    def _lr_factor(self) -> float:
+        "How much the policy raises this step's learning rate over the scheduled one: not at all here"
+        return 1.
+
+    def before_step(self):
+        "Raise the rate for this step if the policy says so, and record the rate used beside the scheduled one"
+        opt, f = self.learn.opt, self._lr_factor()
+        lr = float(opt.hypers[-1]['lr'])
+        if f != 1:
+            self._lrs = [h['lr'] for h in opt.hypers]
+            opt.set_hyper('lr', [r * f for r in self._lrs])
+        self.lr_stats.append((self.learn.train_iter, lr * f, lr))
+
+    def after_cancel_step(self):
+        "A skipped step (a mixed-precision overflow) used no rate"
+        if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
+
+    def after_cancel_batch(self):
+        "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
+        self.after_cancel_step()
+        self._lr_back()
+
+    def after_step(self): self._lr_back()
+
+    def _lr_back(self):
+        "The scheduled learning rates back in the optimiser, if a raise is in place"
+        lrs, self._lrs = self.__dict__.get('_lrs'), None
+        if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
+
+    @property
+    def mean_lr_mult(self) -> float:
+        "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
+        rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
+        return sum(rs) / len(rs) if rs else 1.
+
+    def _epoch_lines(self, ax):
+        for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
+
+    def _per_batch(self, ax, ys:list, ylabel:str, title:str):
+        stats = L(getattr(self, 'stats', []))
+        ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
+        self._epoch_lines(ax)
+        ax.set(xlabel='training iteration', ylabel=ylabel, ylim=(0, 1.05), title=title)
+        _note_if_empty(ax, not stats)
+        return ax.figure
+
+    def plot_kept(self, ax=None):
+        "Share of each filtered batch that was kept for the backward pass, over training iterations"
+        stats = L(getattr(self, 'stats', []))
+        return self._per_batch(_axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
+
+    def plot_loss_share(self, ax=None):
+        "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
+        stats = L(getattr(self, 'stats', []))
+        return self._per_batch(_axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
+
+    def plot_score_hist(self, axs=None):
+        "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
+        from matplotlib.colors import LogNorm
+        import matplotlib.pyplot as plt
+        if axs is None: _, axs = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+        hist = getattr(self, 'hist', None) or ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+        counts, its, edges = hist.table()
+        total = counts[:, 0].sum(1, keepdim=True).clamp(min=1).float()
+        xs = torch.cat([its, its[-1:] + hist.stride]) if len(its) else torch.tensor([0., 1.])
+        mesh = None
+        for ax, c, title in zip(axs, (counts[:, 0], counts[:, 0] - counts[:, 1]), ('every scored example', 'cut by the filter')):
+            share = (c.float() / total).T.numpy() if len(its) else torch.zeros(len(edges) - 1, 1).numpy()
+            share[share == 0] = float('nan')
+            mesh = ax.pcolormesh(xs.numpy(), edges.numpy(), share, norm=LogNorm(1e-4, 1), cmap='viridis', shading='flat')
+            self._epoch_lines(ax)
+            ax.set(yscale='log', xlabel='training iteration', title=f'{self.score}: {title}')
+            _note_if_empty(ax, not len(its))
+        axs[0].set_ylabel(f'per-example {self.score}')
+        axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
+        return axs[0].figure
+
+    def plot_lr(self, ax=None):
+        "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
+        ax, rec = _axes(ax), getattr(self, 'lr_stats', [])
+        its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
+        ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
+        ax.plot(its, used, '-', lw=1.2, label='used')
+        self._epoch_lines(ax)
+        ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
+        ax.legend(loc='best', fontsize='small')
+        _note_if_empty(ax, not rec, 'no step yet')
+        return ax.figure
+
+    def plot_diagnostics(self):
+        "Samples kept, score share kept and learning rate per batch, and the score histogram heat maps, in one figure"
+        import matplotlib.pyplot as plt
+        fig = plt.figure(figsize=(15, 7), layout='constrained')
+        top, bottom = fig.subfigures(2, 1)
+        a, b, c = top.subplots(1, 3)
+        self.plot_kept(a); self.plot_loss_share(b); self.plot_lr(c)
+        self.plot_score_hist(bottom.subplots(1, 2, sharey=True))
+        fig.suptitle(type(self).__name__)
+        return fig
+
+# %% ../nbs/01_batch.ipynb #5d1e0e45
+def _axes(ax):
+    import matplotlib.pyplot as plt
+    return ax if ax is not None else plt.subplots(figsize=(6, 3.5))[1]
+
+def _note_if_empty(ax, empty:bool, what='no batch filtered yet'):
+    if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
 
 class LossFilterColumns(Callback):
     "The filter's columns in the fit table: named after the `Recorder` names its own, filled after validation"
@@ -182,246 +387,162 @@ def _check_kwargs(cls, kwargs:dict):
     if bad: raise TypeError(f"{cls.__name__} got an unexpected keyword argument {bad[0]!r}; "
                             f"its arguments are {', '.join(dict.fromkeys(names))}")
 
+# %% ../nbs/01_batch.ipynb #7c50799a
+PRECISIONS = dict(full=None, bf16=torch.bfloat16, fp16=torch.float16)   # `score_precision` -> autocast dtype
 
-# %% ../nbs/01_batch.ipynb #5ee9dbe7
-@patch
-def _join(self:LossFilterBase, learn:Learner):
-    "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
-    for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
-        warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
-                      "a Learner trains with one filter at a time", stacklevel=4)
-        learn.remove_cb(old)
-    if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
-    if self.columns not in learn.cbs: learn.add_cb(self.columns)
+class LossFilterCallback(LossFilterBase):
+    "Score each training batch without gradients and train only on the examples `select` keeps"
+    def __init__(self,
+                 start:float=0., # fraction of training at which filtering starts, in [0, 1]
+                 end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
+                 interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
+                 scale_factor:float=1., # downsample image inputs by this factor for the scoring pass, in (0, 1]
+                 skip_epochs:int=0, # leave this many first epochs of each fit unfiltered (`fine_tune` runs two fits)
+                 fill_batch:bool=False, # pool kept examples and train only on full batches
+                 score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
+                 score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+        check_schedule(start, end, interrupt)
+        check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
+        check_int('skip_epochs', skip_epochs)
+        if score_precision not in PRECISIONS:
+            raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
+        super().__init__(score=score)
+        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision')
+        self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
 
-@patch
-def _leave(self:LossFilterBase, learn:Learner):
-    "Give `learn` back as it was before the filter joined, however its last fit ended"
-    self._restore()
-    if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
+    def select(self, scores:Tensor) -> Tensor:
+        "Indices of the examples to train on, from their per-example `scores`"
+        raise NotImplementedError
 
-@patch
-def _restore(self:LossFilterBase):
-    "Undo what a fit changed outside the callback: the scheduled learning rate, if a step died raised"
-    self._lr_back()
+    def is_active(self) -> bool:
+        "Whether this training batch is filtered"
+        learn = self.learn
+        return learn.epoch >= self.skip_epochs and should_select(learn.pct_train, learn.iter, self.start, self.end, self.interrupt)
 
-@patch
-def before_fit(self:LossFilterBase):
-    self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
-    self._restore()   # a fit that died by an exception ran no `after_fit`
-    self._training, self._checked, self._loss_checked, self.scoring = False, False, False, False
-    if not self.run: return
-    others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
-    if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
-                                "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
-    check_per_sample(self.learn.loss_func)
-    if dist_world()[1] > 1: self._check_distributed()
-    self.score_func, self._fresh = self.learn.loss_func, True
+    def before_fit(self):
+        super().before_fit()
+        if self.run and self.fill_batch and orders_own_batches(self.dls.train):
+            raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
+                             "it orders its own batches (a `SortedDL` pads each to its own length, longest first), and pooled "
+                             "examples would lose that order or fail to join; train it without `fill_batch`")
 
-@patch
-def before_fit(self:LossFilterCallback):
-    LossFilterBase.before_fit(self)
-    if self.run and self.fill_batch and orders_own_batches(self.dls.train):
-        raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
-                         "it orders its own batches (a `SortedDL` pads each to its own length, longest first), and pooled "
-                         "examples would lose that order or fail to join; train it without `fill_batch`")
+    def before_train(self):
+        super().before_train()
+        self._find_fit_parts()
 
-@patch
-def before_train(self:LossFilterCallback):
-    LossFilterBase.before_train(self)
-    self._find_fit_parts()
+    def _find_fit_parts(self):
+        "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
+        # not in `before_fit`: a callback after the filter may change the model there (`DistributedTrainer` swaps in `SyncBatchNorm`)
+        self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
+                          and getattr(type(cb), 'after_pred', None) is not None]
+        self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self._device_type = next(self.learn.model.parameters()).device.type
+        self._mixing = any(isinstance(cb, MixHandler) for cb in self.learn.cbs)   # a plain step's loss is then a mixed one
 
-@patch
-def _find_fit_parts(self:LossFilterCallback):
-    "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
-    # not in `before_fit`: a callback after the filter may change the model there (`DistributedTrainer` swaps in `SyncBatchNorm`)
-    self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
-                      and getattr(type(cb), 'after_pred', None) is not None]
-    self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
-    self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    self._device_type = next(self.learn.model.parameters()).device.type
-    self._mixing = any(isinstance(cb, MixHandler) for cb in self.learn.cbs)   # a plain step's loss is then a mixed one
+    def _idle_reason(self) -> str|None:
+        "No epoch beyond `skip_epochs`, or no batch of the fit in the `start`-`end` window (past `interrupt`)"
+        n_epoch, n_iter = self.learn.n_epoch, len(self.learn.dls.train)
+        if n_epoch <= self.skip_epochs:
+            return (f"it leaves the first `skip_epochs={self.skip_epochs}` epoch(s) of each fit unfiltered (`fine_tune` runs two fits); "
+                    f"fit more epochs or pass a smaller `skip_epochs`")
+        n = n_epoch * n_iter
+        first = max(self.skip_epochs * n_iter, math.ceil(self.start * n - 1e-9))
+        if any(should_select(i / n, i % n_iter, self.start, self.end, self.interrupt) for i in range(first, min(n, first + 2 * n_iter))): return
+        return (f"no batch of its {n} falls in the window `start={self.start}` to `end={self.end}`"
+                f"{f' with `interrupt={self.interrupt}`' if self.interrupt else ''}; widen the window")
 
-@patch
-def _check_distributed(self:LossFilterBase):
-    "Refuse what would let the ranks step at different batches: where the kept count depends on the data, it differs by rank"
-    if self.same_count: return
-    if getattr(self, 'fill_batch', False):
-        raise ValueError(f"{type(self).__name__} with `fill_batch=True` cannot run with several processes: its kept count depends "
-                         "on each rank's data, so the ranks would skip different steps and DistributedDataParallel would "
-                         "wait forever for the missing gradients")
-    if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
-        raise ValueError(f"{type(self).__name__} cannot run beside `GradientAccumulation` with several processes: it counts "
-                         "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
+    def _as_loss_sees(self, pred):
+        "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple); `learn.pred` is left as it was"
+        if not self._pred_cbs: return pred
+        d = self.learn.__dict__
+        old, self.scoring, d['pred'] = d.get('pred', _missing), True, pred
+        try:
+            for cb in self._pred_cbs: cb('after_pred')
+            return d['pred']
+        finally:
+            self.scoring = False
+            if old is _missing: d.pop('pred', None)
+            else: d['pred'] = old
 
-@patch
-def _new_records(self:LossFilterBase):
-    "Empty records, score histogram and work counters, made at a fit's first training epoch"
-    self.stats, self.epoch_stats, self.lr_stats, self._warned = L(), L(), [], False
-    self.fit_trained = self.fit_scored = 0
-    self.pool = BatchPool()   # `fill_batch`'s kept examples waiting for a full batch: what the last batch leaves waits for the next epoch
-    self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
-    self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+    def _autocast(self):
+        "The scoring pass's precision: `MixedPrecision`'s own autocast when the Learner has it, else `score_precision`'s"
+        mp, dtype = getattr(self, '_mp', None), PRECISIONS[self.score_precision]
+        if getattr(mp, 'autocast', None) is not None: return mp.autocast
+        if dtype is None: return nullcontext()
+        return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
 
-@patch
-def after_fit(self:LossFilterBase): self._restore()
+    def score_batch(self) -> tuple:
+        "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace"
+        learn = self.learn
+        model = _unwrap(learn.model)
+        with torch.no_grad(), self._autocast(), frozen_norm_stats(model, getattr(self, '_norms', None)):
+            pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
+            losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
+        self.fit_scored += losses.shape[0]
+        self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
+        return plain(losses).float(), plain(scores).float()
 
-@patch
-def _idle_reason(self:LossFilterBase) -> str|None:
-    "Why the filter will not act in this fit, with the setting to change; None when it will act"
+    def _check_first_batch(self):
+        "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
+        self._checked = True
+        _apply(lambda t: t, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
 
-@patch
-def _warn_if_idle(self:LossFilterBase):
-    "Say so, before the fit's first batch, when the fit is too short for the filter to act"
-    why = self._idle_reason()
-    if why: warnings.warn(f"{type(self).__name__} will not act in this fit of {self.learn.n_epoch} epoch(s): {why}", stacklevel=2)
+    def _check_step_losses(self):
+        "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
+        self._loss_checked = True   # no forward pass of its own: a filter that has not started trains exactly like the plain model
+        with torch.no_grad(): per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
 
-@patch
-def _idle_reason(self:LossFilterCallback) -> str|None:
-    "No epoch beyond `skip_epochs`, or no batch of the fit in the `start`-`end` window (past `interrupt`)"
-    n_epoch, n_iter = self.learn.n_epoch, len(self.learn.dls.train)
-    if n_epoch <= self.skip_epochs:
-        return (f"it leaves the first `skip_epochs={self.skip_epochs}` epoch(s) of each fit unfiltered (`fine_tune` runs two fits); "
-                f"fit more epochs or pass a smaller `skip_epochs`")
-    n = n_epoch * n_iter
-    first = max(self.skip_epochs * n_iter, math.ceil(self.start * n - 1e-9))
-    if any(should_select(i / n, i % n_iter, self.start, self.end, self.interrupt) for i in range(first, min(n, first + 2 * n_iter))): return
-    return (f"no batch of its {n} falls in the window `start={self.start}` to `end={self.end}`"
-            f"{f' with `interrupt={self.interrupt}`' if self.interrupt else ''}; widen the window")
+    def before_batch(self):
+        learn = self.learn   # attributes read from the Learner directly: a callback's own lookup goes through `GetAttr`
+        bs = find_bs(learn.yb)
+        self.n_seen += bs
+        idxs = None
+        active = self.is_active()
+        if not self._checked: self._check_first_batch()
+        if active:
+            losses, scores = self.score_batch()
+            idxs = at_least_two(self.select(scores), scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted
+            self._record(losses, scores, idxs, bs)
+        else: self.n_kept += bs
+        self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
+        if self.fill_batch: self._fill(idxs)
+        elif idxs is not None and len(idxs) < bs: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
 
-# %% ../nbs/01_batch.ipynb #47cce76e
-@patch
-def before_train(self:LossFilterBase):
-    if self._fresh: self._new_records(); self._warn_if_idle()   # not in `before_fit`, which `learn.validate()` runs too
-    self._fresh, self._training = False, True
-    self._new_epoch()
+    def after_loss(self):
+        "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
+        if not self._loss_checked: self._check_step_losses()
+        bs = find_bs(self.learn.yb)
+        self.n_trained += bs; self.fit_trained += bs
+        if self._plain_step: self._plain_losses.append((self.learn.loss.detach(), bs))
 
-@patch
-def _new_epoch(self:LossFilterBase):
-    "Zero the epoch's counts and sums"
-    self.n_seen, self.n_kept, self.n_trained, self.n_scored, self._n_loss = 0, 0, 0, 0, 0
-    self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
-    self._batches, self._plain_losses, self.iter0 = [], [], self.train_iter
+    def _record(self, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
+        "Keep the batch's tensors, untouched: all the sums are made at the epoch's end in a few vectorised operations"
+        self.n_kept += len(idxs); self.n_scored += bs
+        self._batches.append((self.learn.train_iter, losses, scores, idxs))
 
+    def _fill(self, idxs:Tensor|None):
+        "Pool this batch's kept examples; train on a full batch when there is one, else skip the step (the pool lives for the fit)"
+        b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
+        if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
+        self.pool.add(b if idxs is None else take(b, idxs))
+        last = self.iter == self.n_iter - 1
+        bs = self.dl.bs
+        if self.pool.n < bs and not (last and self.pool.n > 1):   # a pool of one waits for the next epoch: BatchNorm needs two
+            self.learn.xb, self.learn.yb = (), ()            # the Recorder then skips this batch
+            raise CancelBatchException()
+        full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
+        self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
+
+# %% ../nbs/01_batch.ipynb #4615ab0a
 def _unwrap(model:nn.Module) -> nn.Module:
     "The model inside a `DistributedDataParallel` wrapper: its forward would synchronise buffers across ranks"
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 _missing = object()
 
-@patch
-def _as_loss_sees(self:LossFilterCallback, pred):
-    "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple); `learn.pred` is left as it was"
-    if not self._pred_cbs: return pred
-    d = self.learn.__dict__
-    old, self.scoring, d['pred'] = d.get('pred', _missing), True, pred
-    try:
-        for cb in self._pred_cbs: cb('after_pred')
-        return d['pred']
-    finally:
-        self.scoring = False
-        if old is _missing: d.pop('pred', None)
-        else: d['pred'] = old
-
-@patch
-def _autocast(self:LossFilterCallback):
-    "The scoring pass's precision: `MixedPrecision`'s own autocast when the Learner has it, else `score_precision`'s"
-    mp, dtype = getattr(self, '_mp', None), PRECISIONS[self.score_precision]
-    if getattr(mp, 'autocast', None) is not None: return mp.autocast
-    if dtype is None: return nullcontext()
-    return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
-
-@patch
-def score_batch(self:LossFilterCallback) -> tuple:
-    "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace"
-    learn = self.learn
-    model = _unwrap(learn.model)
-    with torch.no_grad(), self._autocast(), frozen_norm_stats(model, getattr(self, '_norms', None)):
-        pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
-        losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
-    self.fit_scored += losses.shape[0]
-    self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
-    return plain(losses).float(), plain(scores).float()
-
-@patch
-def _check_first_batch(self:LossFilterCallback):
-    "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
-    self._checked = True
-    _apply(lambda t: t, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
-
-@patch
-def _check_step_losses(self:LossFilterCallback):
-    "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
-    self._loss_checked = True   # no forward pass of its own: a filter that has not started trains exactly like the plain model
-    with torch.no_grad(): per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
-
-@patch
-def before_batch(self:LossFilterCallback):
-    learn = self.learn   # attributes read from the Learner directly: a callback's own lookup goes through `GetAttr`
-    bs = find_bs(learn.yb)
-    self.n_seen += bs
-    idxs = None
-    active = self.is_active()
-    if not self._checked: self._check_first_batch()
-    if active:
-        losses, scores = self.score_batch()
-        idxs = at_least_two(self.select(scores), scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted
-        self._record(losses, scores, idxs, bs)
-    else: self.n_kept += bs
-    self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
-    if self.fill_batch: self._fill(idxs)
-    elif idxs is not None and len(idxs) < bs: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
-
-@patch
-def after_loss(self:LossFilterCallback):
-    "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
-    if not self._loss_checked: self._check_step_losses()
-    bs = find_bs(self.learn.yb)
-    self.n_trained += bs; self.fit_trained += bs
-    if self._plain_step: self._plain_losses.append((self.learn.loss.detach(), bs))
-
-@patch
-def _record(self:LossFilterCallback, losses:Tensor, scores:Tensor, idxs:Tensor, bs:int):
-    "Keep the batch's tensors, untouched: all the sums are made at the epoch's end in a few vectorised operations"
-    self.n_kept += len(idxs); self.n_scored += bs
-    self._batches.append((self.learn.train_iter, losses, scores, idxs))
-
 def _segment_sum(values:Tensor, seg:Tensor, n:int) -> Tensor: return values.new_zeros(n).index_add_(0, seg, values)
 
-@patch
-def _fold_epoch(self:LossFilterBase):
-    "The epoch's sums, per-batch records and histogram rows from the kept batch tensors, on their device, in one pass"
-    if self._plain_losses:
-        ls, ns = zip(*self._plain_losses)
-        per = torch.stack([l.float() for l in ls]).to(_acc_dtype(ls[0]))
-        sizes = per.new_tensor(ns)
-        total = (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
-        if not getattr(self, '_mixing', False): self._loss_sum, self._n_loss = self._loss_sum + total, self._n_loss + sum(ns)
-        self._loss_kept, self._loss_scored = self._loss_kept + total, self._loss_scored + total   # trained in full
-    if not self._batches: return
-    its, losses, scores, idxs = zip(*self._batches)
-    sizes, kept = [len(s) for s in scores], [len(i) for i in idxs]
-    losses, scores, dev = torch.cat(losses), torch.cat(scores), scores[0].device
-    nb, starts = len(sizes), torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)
-    seg = torch.repeat_interleave(torch.arange(nb, device=dev), torch.tensor(sizes, device=dev))
-    flat = torch.cat(idxs).to(dev) + torch.repeat_interleave(starts, torch.tensor(kept, device=dev))
-    mask = torch.zeros_like(scores, dtype=torch.bool); mask[flat] = True
-    ok, acc = scores.isfinite(), _acc_dtype(scores)   # sums in float64: a kept share never exceeds 1 by rounding
-    fin = torch.where(ok, scores, 0.).to(acc)
-    total, kept_sum = _segment_sum(fin, seg, nb), _segment_sum(fin * mask, seg, nb)
-    lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
-    full = _segment_sum(lfin, seg, nb)
-    self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
-    if getattr(self, 'scale_factor', 1) == 1:   # a downsampled input's loss is another quantity: `full_train_loss` leaves it out
-        self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
-    self._n_bad = self._n_bad + (~ok).sum()
-    share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
-    rows = torch.stack([share, full / full.new_tensor(sizes)]).tolist()
-    self.stats += [dict(iter=i, kept=k, bs=b, loss_share=s, full_loss=f, epoch=self.epoch)
-                   for i, k, b, s, f in zip(its, kept, sizes, *rows)]
-    self.hist.add_many(scores, torch.repeat_interleave(torch.tensor(its, device=dev), torch.tensor(sizes, device=dev)), mask)
-
-# %% ../nbs/01_batch.ipynb #c6c30afa
 def _cat(parts:list):
     "Concatenate a list of batch tuples (nested tuples too) along the batch dimension"
     if isinstance(parts[0], Tensor):
@@ -443,173 +564,6 @@ class BatchPool:
         self.parts = [_apply(lambda t: t[k:], b)] if k < self.n else []
         self.n -= k
         return _apply(lambda t: t[:k], b)
-
-@patch
-def _fill(self:LossFilterCallback, idxs:Tensor|None):
-    "Pool this batch's kept examples; train on a full batch when there is one, else skip the step (the pool lives for the fit)"
-    b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
-    if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
-    self.pool.add(b if idxs is None else take(b, idxs))
-    last = self.iter == self.n_iter - 1
-    bs = self.dl.bs
-    if self.pool.n < bs and not (last and self.pool.n > 1):   # a pool of one waits for the next epoch: BatchNorm needs two
-        self.learn.xb, self.learn.yb = (), ()            # the Recorder then skips this batch
-        raise CancelBatchException()
-    full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
-    self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
-
-# %% ../nbs/01_batch.ipynb #e12282a9
-@patch
-def _reduce_sums(self:LossFilterBase):
-    "Sum the epoch's counts over all ranks, in one collective (nothing to do with one process)"
-    if dist_world()[1] == 1: return
-    names = self._local_sums
-    tot = all_reduce_sum(torch.stack([torch.as_tensor(getattr(self, k)).detach().to('cpu', torch.float64) for k in names]))
-    for k, v in zip(names, tot.tolist()): setattr(self, k, v)
-
-@patch
-def after_train(self:LossFilterBase):
-    self._fold_epoch()
-    self._reduce_sums()
-    scored = float(self._loss_scored)
-    self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=min(1., self.n_trained / self.n_seen) if self.n_seen else 1.,
-                                 loss_perc=min(1., float(self._loss_kept) / scored) if scored > 0 else 1.,
-                                 full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
-                                 iter0=self.iter0, n_iter=self.train_iter - self.iter0))
-    n_bad = int(self._n_bad)
-    if n_bad and not self._warned:
-        self._warned = True
-        warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite {self.score} this epoch; they were kept as the hardest")
-
-@patch
-def _samp_perc(self:LossFilterBase): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
-@patch
-def _loss_perc(self:LossFilterBase): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
-@patch
-def _full_loss(self:LossFilterBase): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
-
-# %% ../nbs/01_batch.ipynb #6e0cb488
-@patch
-def _lr_factor(self:LossFilterBase) -> float:
-    "How much the policy raises this step's learning rate over the scheduled one: not at all here"
-    return 1.
-
-@patch
-def before_step(self:LossFilterBase):
-    "Raise the rate for this step if the policy says so, and record the rate used beside the scheduled one"
-    opt, f = self.learn.opt, self._lr_factor()
-    lr = float(opt.hypers[-1]['lr'])
-    if f != 1:
-        self._lrs = [h['lr'] for h in opt.hypers]
-        opt.set_hyper('lr', [r * f for r in self._lrs])
-    self.lr_stats.append((self.learn.train_iter, lr * f, lr))
-
-@patch
-def after_cancel_step(self:LossFilterBase):
-    "A skipped step (a mixed-precision overflow) used no rate"
-    if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
-
-@patch
-def after_cancel_batch(self:LossFilterBase):
-    "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
-    self.after_cancel_step()
-    self._lr_back()
-
-@patch
-def after_step(self:LossFilterBase): self._lr_back()
-
-@patch
-def _lr_back(self:LossFilterBase):
-    "The scheduled learning rates back in the optimiser, if a raise is in place"
-    lrs, self._lrs = self.__dict__.get('_lrs'), None
-    if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
-
-@patch(as_prop=True)
-def mean_lr_mult(self:LossFilterBase) -> float:
-    "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
-    rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
-    return sum(rs) / len(rs) if rs else 1.
-
-# %% ../nbs/01_batch.ipynb #e58e470b
-def _axes(ax):
-    import matplotlib.pyplot as plt
-    return ax if ax is not None else plt.subplots(figsize=(6, 3.5))[1]
-
-def _note_if_empty(ax, empty:bool, what='no batch filtered yet'):
-    if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
-
-@patch
-def _epoch_lines(self:LossFilterBase, ax):
-    for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
-
-@patch
-def _per_batch(self:LossFilterBase, ax, ys:list, ylabel:str, title:str):
-    stats = L(getattr(self, 'stats', []))
-    ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
-    self._epoch_lines(ax)
-    ax.set(xlabel='training iteration', ylabel=ylabel, ylim=(0, 1.05), title=title)
-    _note_if_empty(ax, not stats)
-    return ax.figure
-
-@patch
-def plot_kept(self:LossFilterBase, ax=None):
-    "Share of each filtered batch that was kept for the backward pass, over training iterations"
-    stats = L(getattr(self, 'stats', []))
-    return self._per_batch(_axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
-
-@patch
-def plot_loss_share(self:LossFilterBase, ax=None):
-    "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
-    stats = L(getattr(self, 'stats', []))
-    return self._per_batch(_axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
-
-# %% ../nbs/01_batch.ipynb #13eb0110
-@patch
-def plot_score_hist(self:LossFilterBase, axs=None):
-    "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
-    from matplotlib.colors import LogNorm
-    import matplotlib.pyplot as plt
-    if axs is None: _, axs = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    hist = getattr(self, 'hist', None) or ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
-    counts, its, edges = hist.table()
-    total = counts[:, 0].sum(1, keepdim=True).clamp(min=1).float()
-    xs = torch.cat([its, its[-1:] + hist.stride]) if len(its) else torch.tensor([0., 1.])
-    mesh = None
-    for ax, c, title in zip(axs, (counts[:, 0], counts[:, 0] - counts[:, 1]), ('every scored example', 'cut by the filter')):
-        share = (c.float() / total).T.numpy() if len(its) else torch.zeros(len(edges) - 1, 1).numpy()
-        share[share == 0] = float('nan')
-        mesh = ax.pcolormesh(xs.numpy(), edges.numpy(), share, norm=LogNorm(1e-4, 1), cmap='viridis', shading='flat')
-        self._epoch_lines(ax)
-        ax.set(yscale='log', xlabel='training iteration', title=f'{self.score}: {title}')
-        _note_if_empty(ax, not len(its))
-    axs[0].set_ylabel(f'per-example {self.score}')
-    axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
-    return axs[0].figure
-
-@patch
-def plot_lr(self:LossFilterBase, ax=None):
-    "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
-    ax, rec = _axes(ax), getattr(self, 'lr_stats', [])
-    its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
-    ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
-    ax.plot(its, used, '-', lw=1.2, label='used')
-    self._epoch_lines(ax)
-    ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
-    ax.legend(loc='best', fontsize='small')
-    _note_if_empty(ax, not rec, 'no step yet')
-    return ax.figure
-
-@patch
-def plot_diagnostics(self:LossFilterBase):
-    "Samples kept, score share kept and learning rate per batch, and the score histogram heat maps, in one figure"
-    import matplotlib.pyplot as plt
-    fig = plt.figure(figsize=(15, 7), layout='constrained')
-    top, bottom = fig.subfigures(2, 1)
-    a, b, c = top.subplots(1, 3)
-    self.plot_kept(a); self.plot_loss_share(b); self.plot_lr(c)
-    self.plot_score_hist(bottom.subplots(1, 2, sharey=True))
-    fig.suptitle(type(self).__name__)
-    return fig
 
 # %% ../nbs/01_batch.ipynb #68566b8d
 class SelectiveBackpropCallback(LossFilterCallback):

@@ -18,88 +18,12 @@ from fastcore.basics import noop
 from .batch import LossFilterBase, plain, orders_own_batches, unwrapped_loader, warn_no_op
 
 # %% auto #0
-__all__ = ['SamplerPruningCallback', 'StaleLossPruningCallback', 'rank_share', 'plain_epoch_size', 'anneals', 'rate_ahead',
+__all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
            'HideLearnedCallback', 'RandomPruningCallback']
 
-# %% ../nbs/05_sampler.ipynb #d83c4f1e
-class SamplerPruningCallback(LossFilterBase):
-    "Base of the sampler-level pruners: before each epoch `epoch_keep` picks the examples the epoch trains on; no scoring pass"
-    def __init__(self,
-                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 score:str='loss', # what each step records per example: 'loss' or 'grad_norm' at the model's output
-                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
-        check_range('anneal', anneal, 0, 1)
-        super().__init__(score=score)
-        store_attr('anneal,lr_scale')
-
-    def epoch_keep(self) -> tuple:
-        "The policy: `(keep, weights)` for a pruned epoch, a bool mask over the dataset and per-example loss weights (or None)"
-        raise NotImplementedError
-
-    _local_sums = ('n_seen', 'n_trained', '_loss_sum', '_n_loss')   # the stale-loss sums come from the shared table
-    same_count = True   # every rank trains equal batches
-    _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
-
-class StaleLossPruningCallback(SamplerPruningCallback):
-    "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean (InfoBatch's rule)"
-    def __init__(self,
-                 prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
-                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
-                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
-        check_range('prune', prune, 0, 1, hi_open=True)
-        if prune == 0: warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
-        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
-        self.prune = prune
-
-    def epoch_keep(self):
-        keep, w = prune_by_stale_loss(self.table, self.prune, generator=self.gen)
-        return keep, (w if self.prune > 0 else None)
-
-# %% ../nbs/05_sampler.ipynb #40d21a6b
-@patch
-def before_fit(self:SamplerPruningCallback):
-    LossFilterBase.before_fit(self)   # gives the loader back its own order first, if a fit died with it changed
-    if not self.run: return
-    dl = self.dls.train
-    inner = unwrapped_loader(dl)
-    if not hasattr(inner, 'get_idxs') or not hasattr(inner, 'n') or not hasattr(inner, 'chunkify'):
-        raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it filters the order of its `get_idxs`")
-    if _keeps_batches(inner) and (inner is not dl or dist_world()[1] > 1):   # `DistributedTrainer` wraps the loader after this
-        raise ValueError(f"{type(self).__name__} cannot prune a {type(inner).__name__} under several processes: it orders its "
-                         "batches itself, and the ranks' pruned batches would differ in number")
-    if any(isinstance(cb, MixHandler) for cb in self.learn.cbs):
-        raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
-
-@patch
-def _idle_reason(self:SamplerPruningCallback) -> str|None:
-    "No pruned epoch: the first has no losses yet, and every later one anneals"
-    n = self.learn.n_epoch
-    if any(not anneals(e, n, self.anneal) for e in range(1, n)): return
-    if n == 1: return "its first epoch trains on all data, as it has no losses yet; fit more epochs"
-    return f"every epoch after the first anneals (trains on all data) with `anneal={self.anneal}`; fit more epochs or lower `anneal`"
-
-@patch
-def _new_records(self:SamplerPruningCallback):
-    "Also an empty score table (NaN: not known yet), at a fit's first epoch"
-    LossFilterBase._new_records(self)
-    self.prune_hist = []   # per pruned epoch, `hist_bins` counts of the kept and left-out stale scores: bounded memory
-    self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=next(self.model.parameters()).device)
-
+# %% ../nbs/05_sampler.ipynb #1acfc172
 _epoch_attrs = ('get_idxs', 'chunkify', 'sample', 'randomize')   # what an epoch sets on the loader instance, over its class's methods
 
-@patch
-def _restore(self:SamplerPruningCallback):
-    "Give the training loader back its own order, batching and length, and the optimiser its scheduled rate"
-    LossFilterBase._restore(self)
-    saved = getattr(self, '_saved', None)
-    if saved is None: return
-    dl, inner, n = saved
-    for o in {id(dl): dl, id(inner): inner}.values():
-        for k in _epoch_attrs: o.__dict__.pop(k, None)
-    inner.n, self._saved = n, None
-
-# %% ../nbs/05_sampler.ipynb #4dbdcc03
 class _FixedOrder:
     "A picklable `get_idxs` that returns the epoch's order"
     def __init__(self, idxs:list): self.idxs = idxs
@@ -152,142 +76,200 @@ def _not_one(m:Tensor) -> Tensor:
     if len(m) > 1 and int(m.sum()) == 1: m = m.clone(); m[int((~m).nonzero()[0])] = True
     return m
 
-@patch
-def _epoch_batches(self:SamplerPruningCallback, inner, keep:Tensor) -> tuple:
-    "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting)"
-    inner.randomize()      # what `DataLoader.__iter__` does first; the epoch then skips it (`randomize` is set to `noop` for it),
-    own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)   # so the loader draws exactly what a plain epoch draws
-    if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
-    bs, kept = inner.bs, keep.cpu()
-    if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
-        order = own[kept[own]]
-        if not inner.drop_last and len(order) % bs == 1 and 1 < bs and len(order) < len(own):   # no last batch of one
-            order = torch.cat([order, own[~kept[own]][:1]])
-        end = len(order) // bs * bs if inner.drop_last else len(order)   # the loader drops a partial last batch itself
-        return order, [min(bs, end - i) for i in range(0, end, bs)]
-    batches = [own[i:i + bs] for i in range(0, len(own), bs)]
-    if inner.drop_last and batches and len(batches[-1]) < bs: batches = batches[:-1]
-    batches = [b[_not_one(kept[b])] for b in batches]
-    batches = [b for b in batches if len(b)]
-    return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
+# %% ../nbs/05_sampler.ipynb #79fbb49d
+class SamplerPruningCallback(LossFilterBase):
+    "Base of the sampler-level pruners: before each epoch `epoch_keep` picks the examples the epoch trains on; no scoring pass"
+    def __init__(self,
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 score:str='loss', # what each step records per example: 'loss' or 'grad_norm' at the model's output
+                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+        check_range('anneal', anneal, 0, 1)
+        super().__init__(score=score)
+        store_attr('anneal,lr_scale')
 
-@patch
-def before_train(self:SamplerPruningCallback):
-    LossFilterBase.before_train(self)
-    dl, n = self.dls.train, len(self.table)
-    inner = dl.dl if _is_distributed_dl(dl) else dl
-    full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
-    keep, self.weights = (torch.ones_like(self.table, dtype=torch.bool), None) if full else self.epoch_keep()
-    self.epoch_order, sizes = self._epoch_batches(inner, keep)
-    rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
-    self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last).to(keep.device)
-    if world > 1: sizes = [min(inner.bs, len(self.rank_order) - i) for i in range(0, len(self.rank_order), inner.bs)]
-    self._starts = [0] + list(itertools.accumulate(sizes))
-    self._saved = (dl, inner, inner.n)
-    dl.get_idxs, inner.randomize = _FixedOrder(self.rank_order.tolist()), noop
-    if _keeps_batches(inner):
-        kb = _KeptBatches(inner, sizes)
-        inner.sample, inner.chunkify, inner.n = kb.sample, kb.chunkify, len(sizes) * inner.bs   # `len(dl)`: its kept batches
-    else: inner.n = world * len(self.rank_order)
-    self.trained = torch.zeros(n, dtype=torch.bool, device=keep.device)
-    known = self.table.isfinite()
-    self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
-    self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
-    if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
+    def epoch_keep(self) -> tuple:
+        "The policy: `(keep, weights)` for a pruned epoch, a bool mask over the dataset and per-example loss weights (or None)"
+        raise NotImplementedError
 
-@patch
-def _stale_shares(self:SamplerPruningCallback, known:Tensor, world:int, size:int, inner):
-    "`loss_perc`'s sums: the stale loss of the examples the epoch trains, over a plain epoch's (an unknown loss counts as the mean)"
-    stale = torch.where(known, self.table, self.table[known].mean())
-    trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
-    self.n_scored = int(known.sum())
-    self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
-    self._record_decision(known, trained)
+    _local_sums = ('n_seen', 'n_trained', '_loss_sum', '_n_loss')   # the stale-loss sums come from the shared table
+    same_count = True   # every rank trains equal batches
+    _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
 
-@patch
-def _record_decision(self:SamplerPruningCallback, known:Tensor, trained:Tensor):
-    "Histogram counts of the known stale scores of the examples the epoch trains and of those it leaves out (one row an epoch)"
-    tr = torch.zeros_like(known); tr[trained.to(known.device)] = True
-    lo, hi = (math.log10(v) for v in self.hist_range)
-    count = lambda s: torch.histc(s.clamp(*self.hist_range).log10().float(), self.hist_bins, lo, hi).long().cpu()
-    self.prune_hist.append(dict(epoch=self.epoch, kept=count(self.table[known & tr]), left_out=count(self.table[known & ~tr])))
+    def before_fit(self):
+        super().before_fit()   # gives the loader back its own order first, if a fit died with it changed
+        if not self.run: return
+        dl = self.dls.train
+        inner = unwrapped_loader(dl)
+        if not hasattr(inner, 'get_idxs') or not hasattr(inner, 'n') or not hasattr(inner, 'chunkify'):
+            raise ValueError(f"{type(self).__name__} needs a fastai DataLoader for training: it filters the order of its `get_idxs`")
+        if _keeps_batches(inner) and (inner is not dl or dist_world()[1] > 1):   # `DistributedTrainer` wraps the loader after this
+            raise ValueError(f"{type(self).__name__} cannot prune a {type(inner).__name__} under several processes: it orders its "
+                             "batches itself, and the ranks' pruned batches would differ in number")
+        if any(isinstance(cb, MixHandler) for cb in self.learn.cbs):
+            raise ValueError(f"{type(self).__name__} cannot run beside MixUp/CutMix: a mixed example's loss is no example's own loss")
 
-# %% ../nbs/05_sampler.ipynb #b2aad269
-@patch
-def after_loss(self:SamplerPruningCallback):
-    idx = self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
-    pred, yb = plain(self.learn.pred), plain(self.learn.yb)   # no fastai type dispatch in the bookkeeping
-    losses = per_sample_loss(self.score_func, pred, *yb)
-    if self.score == 'loss': scores = losses.detach().float()
-    else:
-        with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, pred, *yb)
-    self.table[idx], self.trained[idx] = scores, True
-    self.n_trained += len(idx); self.fit_trained += len(idx)
-    self.hist.add(scores, self.train_iter)
-    self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
-    if self.weights is not None:   # the policy's loss weights for this epoch, reduced as the user's loss reduces
-        self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, self.weights[idx].to(losses.dtype))
+    def _idle_reason(self) -> str|None:
+        "No pruned epoch: the first has no losses yet, and every later one anneals"
+        n = self.learn.n_epoch
+        if any(not anneals(e, n, self.anneal) for e in range(1, n)): return
+        if n == 1: return "its first epoch trains on all data, as it has no losses yet; fit more epochs"
+        return f"every epoch after the first anneals (trains on all data) with `anneal={self.anneal}`; fit more epochs or lower `anneal`"
 
-@patch
-def _lr_factor(self:SamplerPruningCallback) -> float: return self._lr_mult
+    def _new_records(self):
+        "Also an empty score table (NaN: not known yet), at a fit's first epoch"
+        super()._new_records()
+        self.prune_hist = []   # per pruned epoch, `hist_bins` counts of the kept and left-out stale scores: bounded memory
+        self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=next(self.model.parameters()).device)
 
-@patch
-def _share_table(self:SamplerPruningCallback):
-    "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
-    if dist_world()[1] == 1: return
-    sums = all_reduce_sum(torch.stack([torch.where(self.trained, self.table, 0.), self.trained.float()]))
-    self.table = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), self.table)
+    def _restore(self):
+        "Give the training loader back its own order, batching and length, and the optimiser its scheduled rate"
+        super()._restore()
+        saved = getattr(self, '_saved', None)
+        if saved is None: return
+        dl, inner, n = saved
+        for o in {id(dl): dl, id(inner): inner}.values():
+            for k in _epoch_attrs: o.__dict__.pop(k, None)
+        inner.n, self._saved = n, None
 
-@patch
-def after_train(self:SamplerPruningCallback):
-    self._restore()
-    self._share_table()
-    LossFilterBase.after_train(self)
+    def _epoch_batches(self, inner, keep:Tensor) -> tuple:
+        "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting)"
+        inner.randomize()      # what `DataLoader.__iter__` does first; the epoch then skips it (`randomize` is set to `noop` for it),
+        own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)   # so the loader draws exactly what a plain epoch draws
+        if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
+        bs, kept = inner.bs, keep.cpu()
+        if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
+            order = own[kept[own]]
+            if not inner.drop_last and len(order) % bs == 1 and 1 < bs and len(order) < len(own):   # no last batch of one
+                order = torch.cat([order, own[~kept[own]][:1]])
+            end = len(order) // bs * bs if inner.drop_last else len(order)   # the loader drops a partial last batch itself
+            return order, [min(bs, end - i) for i in range(0, end, bs)]
+        batches = [own[i:i + bs] for i in range(0, len(own), bs)]
+        if inner.drop_last and batches and len(batches[-1]) < bs: batches = batches[:-1]
+        batches = [b[_not_one(kept[b])] for b in batches]
+        batches = [b for b in batches if len(b)]
+        return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
 
-@patch
-def after_cancel_epoch(self:SamplerPruningCallback):
-    "`CancelEpochException` skips `after_train`: restore the loader and share the scores, so the ranks' tables stay alike"
-    if getattr(self, '_saved', None) is None: return   # cancelled in validation: `after_train` has run
-    self._restore()
-    self._share_table()
+    def before_train(self):
+        super().before_train()
+        dl, n = self.dls.train, len(self.table)
+        inner = dl.dl if _is_distributed_dl(dl) else dl
+        full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
+        keep, self.weights = (torch.ones_like(self.table, dtype=torch.bool), None) if full else self.epoch_keep()
+        self.epoch_order, sizes = self._epoch_batches(inner, keep)
+        rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
+        self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last).to(keep.device)
+        if world > 1: sizes = [min(inner.bs, len(self.rank_order) - i) for i in range(0, len(self.rank_order), inner.bs)]
+        self._starts = [0] + list(itertools.accumulate(sizes))
+        self._saved = (dl, inner, inner.n)
+        dl.get_idxs, inner.randomize = _FixedOrder(self.rank_order.tolist()), noop
+        if _keeps_batches(inner):
+            kb = _KeptBatches(inner, sizes)
+            inner.sample, inner.chunkify, inner.n = kb.sample, kb.chunkify, len(sizes) * inner.bs   # `len(dl)`: its kept batches
+        else: inner.n = world * len(self.rank_order)
+        self.trained = torch.zeros(n, dtype=torch.bool, device=keep.device)
+        known = self.table.isfinite()
+        self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
+        self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
+        if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
 
-# %% ../nbs/05_sampler.ipynb #644a662b
-@patch
-def plot_kept(self:SamplerPruningCallback, ax=None):
-    "`samp_perc` of each epoch: the share of a plain epoch that got a backward pass"
-    from matplotlib.ticker import MaxNLocator
-    import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-    stats = list(getattr(self, 'epoch_stats', []))
-    ax.plot([e['epoch'] for e in stats], [e['samp_perc'] for e in stats], 'o-')
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(xlabel='epoch', ylabel='share of a plain epoch trained', ylim=(0, 1.05), title='Share trained per epoch')
-    if not stats: ax.text(.5, .5, 'no epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
-    return ax.figure
+    def _stale_shares(self, known:Tensor, world:int, size:int, inner):
+        "`loss_perc`'s sums: the stale loss of the examples the epoch trains, over a plain epoch's (an unknown loss counts as the mean)"
+        stale = torch.where(known, self.table, self.table[known].mean())
+        trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
+        self.n_scored = int(known.sum())
+        self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
+        self._record_decision(known, trained)
 
-@patch
-def plot_pruned_scores(self:SamplerPruningCallback, ax=None):
-    "Histogram of the stale scores of the examples the pruned epochs trained and of those they left out, summed over the epochs"
-    import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-    rows, edges = getattr(self, 'prune_hist', []), torch.logspace(*(math.log10(v) for v in self.hist_range), self.hist_bins + 1)
-    for k, c in (('kept', 'C0'), ('left_out', 'C3')):
-        counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
-        ax.stairs(counts.numpy(), edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
-    ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision', ylabel='examples',
-           title=f'What {len(rows)} pruned epoch(s) kept and left out')
-    ax.legend(loc='best', fontsize='small')
-    if not rows: ax.text(.5, .5, 'no pruned epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
-    return ax.figure
+    def _record_decision(self, known:Tensor, trained:Tensor):
+        "Histogram counts of the known stale scores of the examples the epoch trains and of those it leaves out (one row an epoch)"
+        tr = torch.zeros_like(known); tr[trained.to(known.device)] = True
+        lo, hi = (math.log10(v) for v in self.hist_range)
+        count = lambda s: torch.histc(s.clamp(*self.hist_range).log10().float(), self.hist_bins, lo, hi).long().cpu()
+        self.prune_hist.append(dict(epoch=self.epoch, kept=count(self.table[known & tr]), left_out=count(self.table[known & ~tr])))
 
-@patch
-def plot_diagnostics(self:SamplerPruningCallback):
-    "The share trained per epoch, the stale scores kept and left out, and the learning rate per step, in one figure"
-    import matplotlib.pyplot as plt
-    fig, axs = plt.subplots(1, 3, figsize=(15, 3.8), layout='constrained')
-    self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
-    fig.suptitle(type(self).__name__)
-    return fig
+    def after_loss(self):
+        idx = self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
+        pred, yb = plain(self.learn.pred), plain(self.learn.yb)   # no fastai type dispatch in the bookkeeping
+        losses = per_sample_loss(self.score_func, pred, *yb)
+        if self.score == 'loss': scores = losses.detach().float()
+        else:
+            with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, pred, *yb)
+        self.table[idx], self.trained[idx] = scores, True
+        self.n_trained += len(idx); self.fit_trained += len(idx)
+        self.hist.add(scores, self.train_iter)
+        self._loss_sum, self._n_loss = self._loss_sum + losses.detach().float().sum(), self._n_loss + len(losses)
+        if self.weights is not None:   # the policy's loss weights for this epoch, reduced as the user's loss reduces
+            self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, self.weights[idx].to(losses.dtype))
+
+    def _lr_factor(self) -> float: return self._lr_mult
+
+    def _share_table(self):
+        "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
+        if dist_world()[1] == 1: return
+        sums = all_reduce_sum(torch.stack([torch.where(self.trained, self.table, 0.), self.trained.float()]))
+        self.table = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), self.table)
+
+    def after_train(self):
+        self._restore()
+        self._share_table()
+        super().after_train()
+
+    def after_cancel_epoch(self):
+        "`CancelEpochException` skips `after_train`: restore the loader and share the scores, so the ranks' tables stay alike"
+        if getattr(self, '_saved', None) is None: return   # cancelled in validation: `after_train` has run
+        self._restore()
+        self._share_table()
+
+    def plot_kept(self, ax=None):
+        "`samp_perc` of each epoch: the share of a plain epoch that got a backward pass"
+        from matplotlib.ticker import MaxNLocator
+        import matplotlib.pyplot as plt
+        if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
+        stats = list(getattr(self, 'epoch_stats', []))
+        ax.plot([e['epoch'] for e in stats], [e['samp_perc'] for e in stats], 'o-')
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel='epoch', ylabel='share of a plain epoch trained', ylim=(0, 1.05), title='Share trained per epoch')
+        if not stats: ax.text(.5, .5, 'no epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+        return ax.figure
+
+    def plot_pruned_scores(self, ax=None):
+        "Histogram of the stale scores of the examples the pruned epochs trained and of those they left out, summed over the epochs"
+        import matplotlib.pyplot as plt
+        if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
+        rows, edges = getattr(self, 'prune_hist', []), torch.logspace(*(math.log10(v) for v in self.hist_range), self.hist_bins + 1)
+        for k, c in (('kept', 'C0'), ('left_out', 'C3')):
+            counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
+            ax.stairs(counts.numpy(), edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
+        ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision', ylabel='examples',
+               title=f'What {len(rows)} pruned epoch(s) kept and left out')
+        ax.legend(loc='best', fontsize='small')
+        if not rows: ax.text(.5, .5, 'no pruned epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+        return ax.figure
+
+    def plot_diagnostics(self):
+        "The share trained per epoch, the stale scores kept and left out, and the learning rate per step, in one figure"
+        import matplotlib.pyplot as plt
+        fig, axs = plt.subplots(1, 3, figsize=(15, 3.8), layout='constrained')
+        self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
+        fig.suptitle(type(self).__name__)
+        return fig
+
+# %% ../nbs/05_sampler.ipynb #3beb3e20
+class StaleLossPruningCallback(SamplerPruningCallback):
+    "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean (InfoBatch's rule)"
+    def __init__(self,
+                 prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
+                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+        check_range('prune', prune, 0, 1, hi_open=True)
+        if prune == 0: warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
+        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
+        self.prune = prune
+
+    def epoch_keep(self):
+        keep, w = prune_by_stale_loss(self.table, self.prune, generator=self.gen)
+        return keep, (w if self.prune > 0 else None)
 
 @patch
 @delegates(StaleLossPruningCallback)
