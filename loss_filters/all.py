@@ -7,11 +7,12 @@ __all__ = []
 
 # %% ../nbs/07_all.ipynb #a11c0de3
 from .core import *
+from .base import *
 from .batch import *
 from .sampler import *
 from .controls import *
 from .compare import compare_filters, Comparison
 
 # %% ../nbs/07_all.ipynb #a11c0de4
-from . import core, batch, sampler, controls
-__all__ = [n for m in (core, batch, sampler) for n in m.__all__] + ['compare_filters', 'Comparison']   # the controls are in batch and sampler
+from . import core, base, batch, sampler, controls
+__all__ = list(dict.fromkeys(n for m in (core, base, batch, sampler) for n in m.__all__)) + ['compare_filters', 'Comparison']   # the controls are in batch and sampler

@@ -19,12 +19,17 @@ from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner, Recorder
 from fastai.data.load import DataLoader
 from .core import *
-from .core import _acc_dtype
+from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loader, orders_own_batches, plain
+
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'unwrapped_loader', 'orders_own_batches', 'plain', 'take',
-           'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'LossFilterCallback', 'BatchPool',
-           'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'RandomBatchCallback']
+__all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'take', 'LossFilterCallback', 'BatchPool',
+           'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'RandomBatchCallback', 'LossFilterBase',
+           'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain']
+
+# %% ../nbs/01_batch.ipynb #aa058af1
+# the shared base's names keep their old import path, `loss_filters.batch`
+_all_ = ['LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain']   # nbdev adds these to `__all__`
 
 # %% ../nbs/01_batch.ipynb #a916e4ff
 @contextmanager
@@ -58,20 +63,6 @@ def _apply(f, o):
     raise TypeError(f"a loss filter can only subset a batch of tensors (tuples of them too), got a {type(o).__name__}: "
                     "give the Learner a batch of tensors, or train without the filter")
 
-def unwrapped_loader(dl):
-    "The loader inside fastai's `DistributedDL`, or `dl` itself"
-    return dl.dl if hasattr(dl, 'world_size') and hasattr(dl, 'rank') and hasattr(dl, 'dl') else dl
-
-def orders_own_batches(dl) -> bool:
-    "Whether the training loader orders its items itself (`SortedDL` sorts its batches by length) instead of fastai's shuffle"
-    return type(unwrapped_loader(dl)).get_idxs is not DataLoader.get_idxs
-
-def plain(o):
-    "`o` with every tensor (in nested tuples too) viewed as a plain `torch.Tensor`: no fastai type dispatch"
-    if isinstance(o, Tensor): return o if type(o) is Tensor else o.as_subclass(Tensor)
-    if isinstance(o, (tuple, list)): return type(o)(plain(t) for t in o)
-    return o
-
 def _index(t:Tensor, idxs:Tensor) -> Tensor:
     "`t[idxs]` computed on plain tensors, handed back in `t`'s own type with its metadata"
     if type(t) is Tensor: return t[idxs]
@@ -84,302 +75,7 @@ def take(b:tuple, idxs:Tensor) -> tuple:
     idxs = plain(idxs)
     return _apply(lambda t: _index(t, idxs if idxs.device == t.device else idxs.to(t.device)), tuple(b))
 
-# %% ../nbs/01_batch.ipynb #1cd8c817
-class LossFilterBase(Callback):
-    "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
-    order,run_valid = MixHandler.order-1,False
-    name = 'loss_filter' # `learn.loss_filter`; a class-derived name would shadow the `Learner.batch_loss_filter` patch
-    def __init__(self, score:str='loss'): # what is ranked: 'loss' or 'grad_norm' (at the model's output)
-        self.score = check_score(score)
-        self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
-
-    hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
-    _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
-    same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
-    _stateattrs = ('gen',)   # not pickled: old torch cannot pickle a generator, and a CUDA one would not load on the CPU
-
-    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_lrs',
-                      '_loss_checked'))
-    def __setattr__(self, name, value):
-        "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
-        if name in self._hot: self.__dict__[name] = value
-        else: super().__setattr__(name, value)
-
-    @property
-    def learn(self): return self.__dict__.get('_learn')
-    @learn.setter
-    def learn(self, learn):
-        "`add_cb` sets the Learner, `remove_cb` sets None: joining adds the columns, leaving gives the Learner back as it was"
-        old = self.__dict__.get('_learn')
-        if old is learn: return
-        if old is not None: self._leave(old)
-        self.__dict__['_learn'] = learn
-        if learn is not None: self._join(learn)
-
-    def _join(self, learn:Learner):
-        "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
-        for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
-            warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
-                          "a Learner trains with one filter at a time", stacklevel=4)
-            learn.remove_cb(old)
-        if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
-        if self.columns not in learn.cbs: learn.add_cb(self.columns)
-
-    def _leave(self, learn:Learner):
-        "Give `learn` back as it was before the filter joined, however its last fit ended"
-        self._restore()
-        if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
-
-    def _restore(self):
-        "Undo what a fit changed outside the callback: the scheduled learning rate, if a step died raised"
-        self._lr_back()
-
-    def before_fit(self):
-        self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
-        self._restore()   # a fit that died by an exception ran no `after_fit`
-        self._training, self._checked, self._loss_checked, self.scoring = False, False, False, False
-        if not self.run: return
-        others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
-        if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
-                                    "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
-        check_per_sample(self.learn.loss_func)
-        if dist_world()[1] > 1: self._check_distributed()
-        self.score_func, self._fresh = self.learn.loss_func, True
-
-    def _check_distributed(self):
-        "Refuse what would let the ranks step at different batches: where the kept count depends on the data, it differs by rank"
-        if self.same_count: return
-        if getattr(self, 'fill_batch', False):
-            raise ValueError(f"{type(self).__name__} with `fill_batch=True` cannot run with several processes: its kept count depends "
-                             "on each rank's data, so the ranks would skip different steps and DistributedDataParallel would "
-                             "wait forever for the missing gradients")
-        if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
-            raise ValueError(f"{type(self).__name__} cannot run beside `GradientAccumulation` with several processes: it counts "
-                             "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
-
-    def _new_records(self):
-        "Empty records, score histogram and work counters, made at a fit's first training epoch"
-        self.stats, self.epoch_stats, self.lr_stats, self._warned = L(), L(), [], False
-        self.fit_trained = self.fit_scored = 0
-        self.pool = BatchPool()   # `fill_batch`'s kept examples waiting for a full batch: what the last batch leaves waits for the next epoch
-        self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
-        self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
-
-    def after_fit(self): self._restore()
-
-    def _idle_reason(self) -> str|None:
-        "Why the filter will not act in this fit, with the setting to change; None when it will act"
-
-    def _warn_if_idle(self):
-        "Say so, before the fit's first batch, when the fit is too short for the filter to act"
-        why = self._idle_reason()
-        if why: warnings.warn(f"{type(self).__name__} will not act in this fit of {self.learn.n_epoch} epoch(s): {why}", stacklevel=2)
-
-    def before_train(self):
-        if self._fresh: self._new_records(); self._warn_if_idle()   # not in `before_fit`, which `learn.validate()` runs too
-        self._fresh, self._training = False, True
-        self._new_epoch()
-
-    def _new_epoch(self):
-        "Zero the epoch's counts and sums"
-        self.n_seen, self.n_kept, self.n_trained, self.n_scored, self._n_loss = 0, 0, 0, 0, 0
-        self._loss_kept = self._loss_scored = self._loss_sum = self._n_bad = 0.
-        self._batches, self._plain_losses, self.iter0 = [], [], self.train_iter
-
-    def _fold_epoch(self):
-        "The epoch's sums, per-batch records and histogram rows from the kept batch tensors, on their device, in one pass"
-        if self._plain_losses:
-            ls, ns = zip(*self._plain_losses)
-            per = torch.stack([l.float() for l in ls]).to(_acc_dtype(ls[0]))
-            sizes = per.new_tensor(ns)
-            total = (per if getattr(self.score_func, 'reduction', 'mean') == 'sum' else per * sizes).sum()
-            if not getattr(self, '_mixing', False): self._loss_sum, self._n_loss = self._loss_sum + total, self._n_loss + sum(ns)
-            self._loss_kept, self._loss_scored = self._loss_kept + total, self._loss_scored + total   # trained in full
-        if not self._batches: return
-        its, losses, scores, idxs = zip(*self._batches)
-        sizes, kept = [len(s) for s in scores], [len(i) for i in idxs]
-        losses, scores, dev = torch.cat(losses), torch.cat(scores), scores[0].device
-        nb, starts = len(sizes), torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)
-        seg = torch.repeat_interleave(torch.arange(nb, device=dev), torch.tensor(sizes, device=dev))
-        flat = torch.cat(idxs).to(dev) + torch.repeat_interleave(starts, torch.tensor(kept, device=dev))
-        mask = torch.zeros_like(scores, dtype=torch.bool); mask[flat] = True
-        ok, acc = scores.isfinite(), _acc_dtype(scores)   # sums in float64: a kept share never exceeds 1 by rounding
-        fin = torch.where(ok, scores, 0.).to(acc)
-        total, kept_sum = _segment_sum(fin, seg, nb), _segment_sum(fin * mask, seg, nb)
-        lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
-        full = _segment_sum(lfin, seg, nb)
-        self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
-        if getattr(self, 'scale_factor', 1) == 1:   # a downsampled input's loss is another quantity: `full_train_loss` leaves it out
-            self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
-        self._n_bad = self._n_bad + (~ok).sum()
-        share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
-        rows = torch.stack([share, full / full.new_tensor(sizes)]).tolist()
-        self.stats += [dict(iter=i, kept=k, bs=b, loss_share=s, full_loss=f, epoch=self.epoch)
-                       for i, k, b, s, f in zip(its, kept, sizes, *rows)]
-        self.hist.add_many(scores, torch.repeat_interleave(torch.tensor(its, device=dev), torch.tensor(sizes, device=dev)), mask)
-
-    def _reduce_sums(self):
-        "Sum the epoch's counts over all ranks, in one collective (nothing to do with one process)"
-        if dist_world()[1] == 1: return
-        names = self._local_sums
-        tot = all_reduce_sum(torch.stack([torch.as_tensor(getattr(self, k)).detach().to('cpu', torch.float64) for k in names]))
-        for k, v in zip(names, tot.tolist()): setattr(self, k, v)
-
-    def after_train(self):
-        self._fold_epoch()
-        self._reduce_sums()
-        scored = float(self._loss_scored)
-        self.epoch_stats.append(dict(epoch=self.epoch, samp_perc=min(1., self.n_trained / self.n_seen) if self.n_seen else 1.,
-                                     loss_perc=min(1., float(self._loss_kept) / scored) if scored > 0 else 1.,
-                                     full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
-                                     iter0=self.iter0, n_iter=self.train_iter - self.iter0))
-        n_bad = int(self._n_bad)
-        if n_bad and not self._warned:
-            self._warned = True
-            warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite {self.score} this epoch; they were kept as the hardest")
-
-    def _samp_perc(self): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
-
-    def _loss_perc(self): return self.epoch_stats[-1]['loss_perc'] if self.epoch_stats else 1.
-
-    def _full_loss(self): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
-
-    def _lr_factor(self) -> float:
-        "How much the policy raises this step's learning rate over the scheduled one: not at all here"
-        return 1.
-
-    def before_step(self):
-        "Raise the rate for this step if the policy says so, and record the rate used beside the scheduled one"
-        opt, f = self.learn.opt, self._lr_factor()
-        lr = float(opt.hypers[-1]['lr'])
-        if f != 1:
-            self._lrs = [h['lr'] for h in opt.hypers]
-            opt.set_hyper('lr', [r * f for r in self._lrs])
-        self.lr_stats.append((self.learn.train_iter, lr * f, lr))
-
-    def after_cancel_step(self):
-        "A skipped step (a mixed-precision overflow) used no rate"
-        if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
-
-    def after_cancel_batch(self):
-        "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
-        self.after_cancel_step()
-        self._lr_back()
-
-    def after_step(self): self._lr_back()
-
-    def _lr_back(self):
-        "The scheduled learning rates back in the optimiser, if a raise is in place"
-        lrs, self._lrs = self.__dict__.get('_lrs'), None
-        if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
-
-    @property
-    def mean_lr_mult(self) -> float:
-        "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
-        rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
-        return sum(rs) / len(rs) if rs else 1.
-
-    def _epoch_lines(self, ax):
-        for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
-
-    def _per_batch(self, ax, ys:list, ylabel:str, title:str):
-        stats = L(getattr(self, 'stats', []))
-        ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
-        self._epoch_lines(ax)
-        ax.set(xlabel='training iteration', ylabel=ylabel, ylim=(0, 1.05), title=title)
-        _note_if_empty(ax, not stats)
-        return ax.figure
-
-    def plot_kept(self, ax=None):
-        "Share of each filtered batch that was kept for the backward pass, over training iterations"
-        stats = L(getattr(self, 'stats', []))
-        return self._per_batch(_axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
-
-    def plot_loss_share(self, ax=None):
-        "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
-        stats = L(getattr(self, 'stats', []))
-        return self._per_batch(_axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
-
-    def plot_score_hist(self, axs=None):
-        "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
-        from matplotlib.colors import LogNorm
-        import matplotlib.pyplot as plt
-        if axs is None: _, axs = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-        hist = getattr(self, 'hist', None) or ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
-        counts, its, edges = hist.table()
-        total = counts[:, 0].sum(1, keepdim=True).clamp(min=1).float()
-        xs = torch.cat([its, its[-1:] + hist.stride]) if len(its) else torch.tensor([0., 1.])
-        mesh = None
-        for ax, c, title in zip(axs, (counts[:, 0], counts[:, 0] - counts[:, 1]), ('every scored example', 'cut by the filter')):
-            share = (c.float() / total).T.numpy() if len(its) else torch.zeros(len(edges) - 1, 1).numpy()
-            share[share == 0] = float('nan')
-            mesh = ax.pcolormesh(xs.numpy(), edges.numpy(), share, norm=LogNorm(1e-4, 1), cmap='viridis', shading='flat')
-            self._epoch_lines(ax)
-            ax.set(yscale='log', xlabel='training iteration', title=f'{self.score}: {title}')
-            _note_if_empty(ax, not len(its))
-        axs[0].set_ylabel(f'per-example {self.score}')
-        axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
-        return axs[0].figure
-
-    def plot_lr(self, ax=None):
-        "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
-        ax, rec = _axes(ax), getattr(self, 'lr_stats', [])
-        its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
-        ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
-        ax.plot(its, used, '-', lw=1.2, label='used')
-        self._epoch_lines(ax)
-        ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
-        ax.legend(loc='best', fontsize='small')
-        _note_if_empty(ax, not rec, 'no step yet')
-        return ax.figure
-
-    def plot_diagnostics(self):
-        "Samples kept, score share kept and learning rate per batch, and the score histogram heat maps, in one figure"
-        import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=(15, 7), layout='constrained')
-        top, bottom = fig.subfigures(2, 1)
-        a, b, c = top.subplots(1, 3)
-        self.plot_kept(a); self.plot_loss_share(b); self.plot_lr(c)
-        self.plot_score_hist(bottom.subplots(1, 2, sharey=True))
-        fig.suptitle(type(self).__name__)
-        return fig
-
-# %% ../nbs/01_batch.ipynb #5d1e0e45
-def _axes(ax):
-    import matplotlib.pyplot as plt
-    return ax if ax is not None else plt.subplots(figsize=(6, 3.5))[1]
-
-def _note_if_empty(ax, empty:bool, what='no batch filtered yet'):
-    if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
-
-class LossFilterColumns(Callback):
-    "The filter's columns in the fit table: named after the `Recorder` names its own, filled after validation"
-    order,name = Recorder.order+1,'loss_filter_columns'
-    names = ('samp_perc', 'loss_perc', 'full_train_loss')
-    def __init__(self, filt:LossFilterBase): self.filt = filt
-
-    def before_fit(self):
-        self.shown = self.filt.run and hasattr(self.learn, 'recorder')
-        if not self.shown: return
-        names = L(self.recorder.metric_names)
-        at = len(names) - (names[-1] == 'time')
-        self.recorder.metric_names = names[:at] + L(self.names) + names[at:]
-
-    def before_validate(self):
-        "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
-        if self.shown and not self.filt._training:
-            self.shown = False
-            self.recorder.metric_names = L(n for n in self.recorder.metric_names if n not in self.names)
-
-    def after_validate(self):
-        if self.shown: self.recorder.log += [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
-
-def warn_no_op(cb, # the filter
-               setting:str, # the setting that leaves it nothing to do, e.g. `'keep=1'`
-               why:str): # what that setting does
-    "Warn that `setting` leaves the filter `cb` nothing to do: the fit trains like plain fastai"
-    warnings.warn(f"{type(cb).__name__}({setting}) {why}, so the fit trains as plain fastai would", stacklevel=3)
-
+# %% ../nbs/01_batch.ipynb #6f66dab9
 def _check_kwargs(cls, kwargs:dict):
     "Refuse a keyword argument that `cls`'s signature (with what `delegates` adds) lacks, naming `cls` and its arguments"
     names = [p for p in inspect.signature(cls).parameters if p not in ('self', 'kwargs')]
@@ -429,6 +125,10 @@ class LossFilterCallback(LossFilterBase):
     def before_train(self):
         super().before_train()
         self._find_fit_parts()
+
+    def _new_records(self):
+        super()._new_records()
+        self.pool = BatchPool()   # `fill_batch`'s kept examples waiting for a full batch: what the last batch leaves waits for the next epoch
 
     def _find_fit_parts(self):
         "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
@@ -541,8 +241,6 @@ def _unwrap(model:nn.Module) -> nn.Module:
 
 _missing = object()
 
-def _segment_sum(values:Tensor, seg:Tensor, n:int) -> Tensor: return values.new_zeros(n).index_add_(0, seg, values)
-
 def _cat(parts:list):
     "Concatenate a list of batch tuples (nested tuples too) along the batch dimension"
     if isinstance(parts[0], Tensor):
@@ -621,11 +319,6 @@ class RandomBatchCallback(LossFilterCallback):
 
 # %% ../nbs/01_batch.ipynb #255d746b
 @patch
-def _set_loss_filter(self:Learner, cb:LossFilterBase):
-    "Add `cb`, which replaces the filter the Learner had"
-    return self.add_cb(cb)
-
-@patch
 @delegates(BatchLossFilterCallback)
 def batch_loss_filter(self:Learner, min_sample_perc:float=0., min_loss_perc:float=.9, **kwargs):
     "Train on the highest-loss examples of each batch carrying `min_loss_perc` of its loss (`BatchLossFilterCallback`)"
@@ -638,35 +331,3 @@ def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
     cb = SelectiveBackpropCallback(keep, start, end, interrupt, **kwargs)
     return self._set_loss_filter(cb)
-
-# %% ../nbs/01_batch.ipynb #ddbdd993
-_fastai_added_cbs = getattr(Learner.added_cbs, 'fastai_added_cbs', Learner.added_cbs)   # fastai's own, also when run twice
-
-@patch
-@contextmanager
-def added_cbs(self:Learner, cbs):
-    "fastai's `added_cbs` (`fit(cbs=...)`): a loss filter among `cbs` stands in for the Learner's own for this fit only"
-    own = next((cb for cb in self.cbs if isinstance(cb, LossFilterBase)), None)
-    try:
-        with _fastai_added_cbs(self, cbs): yield
-    finally:
-        if own is not None and own.learn is None and not any(isinstance(cb, LossFilterBase) for cb in self.cbs): self.add_cb(own)
-
-Learner.added_cbs.fastai_added_cbs = _fastai_added_cbs
-
-# %% ../nbs/01_batch.ipynb #fe917d87
-_fastai_export = getattr(Learner.export, 'fastai_export', Learner.export)   # fastai's own, also when this module is run twice
-
-@patch
-def export(self:Learner, *args, **kwargs):
-    "Export for inference as fastai does, without the loss filter and its columns: `load_learner` then needs no `loss_filters`"
-    cbs, names = list(self.cbs), ('loss_filter', 'loss_filter_columns')
-    out = [cb for cb in cbs if isinstance(cb, (LossFilterBase, LossFilterColumns))]
-    attrs = {k: self.__dict__.pop(k) for k in names if k in self.__dict__}
-    for cb in out: self.cbs.remove(cb)
-    try: return _fastai_export(self, *args, **kwargs)
-    finally:
-        self.cbs = L(cbs)
-        self.__dict__.update(attrs)
-
-Learner.export.fastai_export = _fastai_export

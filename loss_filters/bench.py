@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
-from .batch import LossFilterCallback, frozen_norm_stats, plain, take
+from .base import plain
+from .batch import LossFilterCallback, frozen_norm_stats, take
 from .data import load_dls, CropFlip
 from .models import WideResNet, simple_cnn, simple_mlp
 from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost

@@ -10,7 +10,7 @@ from torch import nn, Tensor
 
 # %% auto #0
 __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm',
-           'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'select_by_rank',
+           'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'acc_dtype', 'select_by_rank',
            'select_by_loss_share', 'at_least_two', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate',
            'prune_at_random', 'select_at_random', 'reweighted_loss', 'check_schedule', 'should_select', 'dist_world',
            'all_reduce_sum', 'own_generator']
@@ -218,7 +218,9 @@ def _count(frac:float, n:int, rnd) -> int:
     "`rnd(frac*n)`, forgiving float noise such as `0.1*30 == 3.0000000000000004`"
     return int(rnd(round(frac * n, 9)))
 
-def _acc_dtype(t:Tensor): return torch.float32 if t.device.type == 'mps' else torch.float64
+def acc_dtype(t:Tensor) -> torch.dtype:
+    "The dtype for exact sums of `t`'s values: float64, or float32 on MPS, which has no float64"
+    return torch.float32 if t.device.type == 'mps' else torch.float64
 
 # %% ../nbs/00_core.ipynb #9e618dbb
 @functools.lru_cache(maxsize=64)
@@ -252,7 +254,7 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
     n = losses.shape[0]
     if n == 0: return torch.arange(0, device=losses.device)
     srt, order = torch.sort(_sortable(losses), descending=True, stable=True)   # NaN became inf: the infinite ones lead
-    cum = torch.nan_to_num(srt, posinf=0.).cumsum(0, dtype=_acc_dtype(srt))     # they count 0 in the shares
+    cum = torch.nan_to_num(srt, posinf=0.).cumsum(0, dtype=acc_dtype(srt))     # they count 0 in the shares
     at = torch.searchsorted(cum, cum[-1:] * min_loss_perc)   # the first prefix carrying the share (`cum` rises: losses >= 0)
     # one host sync for the three numbers the size depends on
     n_loss, n_bad, negative = torch.cat([at + 1, srt.isinf().sum(0, keepdim=True), srt[-1:] < 0]).tolist()

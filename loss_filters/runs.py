@@ -10,7 +10,8 @@ import torch
 from fastai.basics import Callback, set_seed, find_bs, CancelFitException
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
-from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, frozen_norm_stats, plain
+from .base import plain
+from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, frozen_norm_stats
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0

@@ -15,7 +15,7 @@ from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
                                check_range, dist_world, all_reduce_sum, prune_at_random)
 from fastcore.basics import noop
-from .batch import LossFilterBase, plain, orders_own_batches, unwrapped_loader, warn_no_op
+from .base import LossFilterBase, plain, orders_own_batches, unwrapped_loader, warn_no_op
 
 # %% auto #0
 __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',

@@ -249,8 +249,8 @@ def test_get_preds_and_validate_are_unfiltered(digits_dls):
     assert stats and cb.stats == stats and int(cb.hist.table()[0].sum()) == n_hist   # the fit's records are kept
 
 def test_gradient_accumulation_refused_under_several_processes(digits_dls, monkeypatch):
-    import loss_filters.batch as lfc
-    monkeypatch.setattr(lfc, 'dist_world', lambda: (0, 2))                     # refused in `before_fit`, before any collective
+    import loss_filters.base as lfb
+    monkeypatch.setattr(lfb, 'dist_world', lambda: (0, 2))                     # refused in `before_fit`, before any collective
     learn = learner(digits_dls, mlp(), cbs=[GradientAccumulation(n_acc=128), BatchLossFilterCallback()])
     with pytest.raises(ValueError, match='GradientAccumulation` with several processes'): fit(learn, 1)
     with pytest.raises(ValueError, match='with `fill_batch=True` cannot run with several processes'):

@@ -63,7 +63,7 @@ def plot(files, png):
     by_len = defaultdict(lambda: defaultdict(list))
     for r in rows: by_len[(r['data'], r['model'], r['n_train'], r['bs'], r['augment'], r['epochs'])][r['lr']].append(r)
     for k, rs in sorted(by_len.items(), key=lambda kv: kv[0][5]):
-        if len(rs) < 3: continue
+        if len(rs) < 2: continue   # one rate is no sweep
         lrs = sorted(rs)
         m, e = zip(*(mean_range(rs[x]) for x in lrs))
         ax2.errorbar(lrs, m, yerr=e, marker='o', capsize=3, label=f"{k[5]} epochs, {k[2]} images{', augmented' if k[4] else ''}")
