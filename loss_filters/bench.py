@@ -81,7 +81,7 @@ class _StepClock(Callback):
 def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
     "Seconds per batch of plain fastai training, as a fit runs it: the step a filter's own work is measured against"
     set_seed(seed)
-    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat())
+    learn = bench_learner(dls, model)
     best = math.inf
     for _ in range(3):   # the least disturbed of three short fits
         clock = _StepClock(min(n, len(dls.train)))
@@ -103,7 +103,7 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     "Seconds per batch of each piece of a filtered step, and the filter's own work beside the model as a share of a plain step"
     _, cb_cls, kw, _ = parse_method(spec)
     set_seed(seed)
-    learn = Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat())
+    learn = bench_learner(dls, model)
     cb = cb_cls(**kw)
     learn.add_cb(cb); learn.create_opt(); learn.model.train()
     b = dls.train.one_batch()
@@ -199,7 +199,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     make = partial(bench_learner, dls, model)
     run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
-    cost = learner_score_cost(make()) if score_cost is None else score_cost
+    cost = measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
     if score_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
     def announce(s, sd, rep, kind): print(f"\n== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
     cmp = compare_filters(make, methods, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',

@@ -12,7 +12,7 @@ from fastai.basics import Learner, Callback, CancelFitException
 from fastprogress.fastprogress import progress_bar
 from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs,
-                                   best_plain, verdict_lines, payoff_line, format_table)
+                                   best_plain, verdict_lines, payoff_line, format_table, ci_text)
 from .plots import budget_figure, time_figure, save_figure
 
 # %% auto #0
@@ -45,7 +45,7 @@ class Comparison:
         for r in self.rows:
             d = dict(method=r['method'])
             for col, k in _shown: d[f'final_{self.metric}' if col == 'final' else col] = self.sign * r['final_accuracy'] if k is None else r.get(k)
-            for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k] = f"{d[k][0]:.2f}-{d[k][1]:.2f}" if d.get(k) else None   # 90% over seeds
+            for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k] = ci_text(d.get(k))   # 90% over seeds
             for k in ('vs_budget', 'vs_random'): d[k] = f"{r[k]['diff'] * 100 * self.sign:+.2f} {r[k]['verdict']}" if r.get(k) else None
             out.append(d)
         return pd.DataFrame(out).set_index('method')

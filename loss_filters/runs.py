@@ -7,7 +7,7 @@ from __future__ import annotations
 import math, random, statistics, time
 from pathlib import Path
 import torch
-from fastai.basics import Callback, set_seed, find_bs, CancelFitException
+from fastai.basics import Callback, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .base import plain

@@ -11,7 +11,7 @@ from .runs import parse_method, time_to_target
 
 # %% auto #0
 __all__ = ['bootstrap_ci', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'control_specs', 'best_plain',
-           'add_verdicts', 'payoff_line', 'verdict_lines', 'format_table']
+           'add_verdicts', 'ci_text', 'payoff_line', 'verdict_lines', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -174,7 +174,11 @@ def _why_apart(r:dict, base:dict) -> str:
 
 def _x(v): return '-' if v is None else f'{v:.2f}x'
 
-def _ci(ci): return '' if not ci else f" [{ci[0]:.2f}-{ci[1]:.2f}]"
+def ci_text(ci:tuple|None) -> str|None:
+    "An interval `(lo, hi)` as `'lo-hi'` with two decimals; None for none"
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else None
+
+def _ci(ci): return f" [{ci_text(ci)}]" if ci else ''
 
 def payoff_line(r:dict, has_budgets:bool) -> str:
     "Whether the method in row `r` pays on this data, in one plain line: less work to the target than training less, beyond the spread over seeds"
@@ -227,7 +231,7 @@ def format_table(rows:list) -> str:
         if k == 'method': return r[k] + (' [never filtered]' if r.get('never_filtered') else '')
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
         if k in ('vs_budget', 'vs_random'): return f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else '-'   # points
-        if k.endswith('_ci'): return f"{r[k][0]:.2f}-{r[k][1]:.2f}" if r.get(k) and r.get('repeats', 1) > 1 else '-'
+        if k.endswith('_ci'): return ci_text(r.get(k)) if r.get(k) and r.get('repeats', 1) > 1 else '-'
         v = r.get(k)
         if v is None: return '-'
         s = f.format(v)

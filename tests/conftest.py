@@ -1,6 +1,6 @@
 "Shared fixtures: small real and synthetic data as fastai DataLoaders, and spies that watch a fit."
 import warnings
-import numpy as np, pytest, torch, torch.nn as nn
+import numpy as np, pandas as pd, pytest, torch, torch.nn as nn
 from fastai.basics import DataLoaders, Callback, set_seed
 
 warnings.filterwarnings('ignore', message='.*torch.jit.script.*')
@@ -52,3 +52,10 @@ class BatchSpy(Callback):
         if not self.training or getattr(filt, 'scoring', False): return   # the filter's scoring pass is not a training step
         self.sizes.append((self.epoch, self.iter, self.yb[0].shape[0]))
         if self.keep_inputs: self.inputs.append([x.detach().clone() for x in self.xb])
+
+def tabular_df(n=600):
+    "A table of two numbers and a category; the label is whether a weighted sum passes a threshold"
+    rng = np.random.RandomState(0)
+    df = pd.DataFrame(dict(a=rng.randn(n), b=rng.randn(n), c=rng.choice(list('xyz'), n)))
+    df['y'] = ((df.a + df.b + (df.c == 'x')) > .5).map({True: 'hi', False: 'lo'})
+    return df

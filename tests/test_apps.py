@@ -9,7 +9,7 @@ from fastai.text.all import TextDataLoaders, text_classifier_learner, AWD_LSTM, 
 from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize
 from loss_filters.batch import *
 from loss_filters.sampler import StaleLossPruningCallback
-from conftest import make_dls, mlp, col
+from conftest import make_dls, mlp, col, tabular_df
 
 FILTERS = {'blf': lambda **kw: BatchLossFilterCallback(**kw),
            'sb': lambda **kw: SelectiveBackpropCallback(start=0., end=1., interrupt=0, **kw),
@@ -131,12 +131,6 @@ def test_multi_label(image_dir, name, score):
     assert types <= {torch.Tensor}                                       # scores and indices: plain tensors
     _, xb, yb = learn.after.batches[-1]
     assert type(xb[0]) is TensorImage and type(yb[0]) is TensorMultiCategory   # the trained batch keeps fastai's types
-
-def tabular_df(n=600):
-    rng = np.random.RandomState(0)
-    df = pd.DataFrame(dict(a=rng.randn(n), b=rng.randn(n), c=rng.choice(list('xyz'), n)))
-    df['y'] = ((df.a + df.b + (df.c == 'x')) > .5).map({True: 'hi', False: 'lo'})
-    return df
 
 def tab_learner(df, **kw):
     "A `tabular_learner` on the first 450 rows, validated on the rest (a partial last batch of 2 at bs=64)"

@@ -10,13 +10,8 @@ from fastai.vision.all import (ImageDataLoaders, Learner, DataBlock, ImageBlock,
                                 accuracy_multi, foreground_acc)
 from fastai.text.all import TextDataLoaders, text_classifier_learner, AWD_LSTM
 from loss_filters.compare import compare_filters, Comparison
+from conftest import tabular_df
 from loss_filters.sampler import plain_epoch_size
-
-def tabular_df(n=600):
-    rng = np.random.RandomState(0)
-    df = pd.DataFrame(dict(a=rng.randn(n), b=rng.randn(n), c=rng.choice(list('xyz'), n)))
-    df['y'] = ((df.a + df.b + (df.c == 'x')) > .5).map({True: 'hi', False: 'lo'})
-    return df
 
 DF = tabular_df()
 
