@@ -5,10 +5,9 @@
 # %% ../nbs/01_batch.ipynb #038ca650
 from __future__ import annotations
 import inspect, math, warnings
-from contextlib import contextmanager, nullcontext
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
-from fastcore.basics import store_attr, patch
+from fastcore.basics import store_attr, patch, noop
 from fastcore.meta import delegates
 from fastcore.foundation import L
 from fastai.torch_core import find_bs
@@ -19,61 +18,18 @@ from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner, Recorder
 from fastai.data.load import DataLoader
 from .core import *
-from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loader, orders_own_batches, plain
+from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loader, orders_own_batches
 
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'frozen_norm_stats', 'downsample', 'take', 'LossFilterCallback', 'BatchPool',
-           'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'RandomBatchCallback', 'LossFilterBase',
-           'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain']
+__all__ = ['PRECISIONS', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback', 'BatchLossFilterCallback',
+           'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader',
+           'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
 
 # %% ../nbs/01_batch.ipynb #aa058af1
-# the shared base's names keep their old import path, `loss_filters.batch`
-_all_ = ['LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain']   # nbdev adds these to `__all__`
-
-# %% ../nbs/01_batch.ipynb #a916e4ff
-@contextmanager
-def frozen_norm_stats(model:nn.Module, norms:list|None=None):
-    "Batch-norm layers in training mode use batch statistics but leave their running statistics untouched"
-    mods = [m for m in (model.modules() if norms is None else norms)   # `norms`: the model's norm layers, found once
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
-    for m in mods: m.track_running_stats = False
-    try: yield
-    finally:
-        for m in mods: m.track_running_stats = True
-
-# %% ../nbs/01_batch.ipynb #b7b08746
-_interp_modes = {3: 'linear', 4: 'bilinear', 5: 'trilinear'}
-
-def downsample(xb:tuple, scale_factor:float) -> tuple:
-    "Shrink every 3-5-D floating point tensor of `xb` by `scale_factor` for a cheaper scoring pass"
-    if scale_factor == 1: return xb
-    res = tuple(F.interpolate(x, scale_factor=scale_factor, mode=_interp_modes[x.ndim], align_corners=False,
-                              recompute_scale_factor=False)
-                if isinstance(x, Tensor) and x.is_floating_point() and x.ndim in _interp_modes else x for x in xb)
-    if all(r is x for r, x in zip(res, xb)):
-        raise ValueError(f"`scale_factor`={scale_factor} needs a 3-D to 5-D floating point input (signal, image, volume); "
-                         f"got {[tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in xb]}")
-    return res
-
-def _apply(f, o):
-    "Apply `f` to every tensor of the (nested) batch tuple `o`"
-    if isinstance(o, Tensor): return f(o)
-    if isinstance(o, (tuple, list)): return type(o)(_apply(f, t) for t in o)
-    raise TypeError(f"a loss filter can only subset a batch of tensors (tuples of them too), got a {type(o).__name__}: "
-                    "give the Learner a batch of tensors, or train without the filter")
-
-def _index(t:Tensor, idxs:Tensor) -> Tensor:
-    "`t[idxs]` computed on plain tensors, handed back in `t`'s own type with its metadata"
-    if type(t) is Tensor: return t[idxs]
-    res = t.as_subclass(Tensor)[idxs].as_subclass(type(t))
-    if t.__dict__: res.__dict__.update(t.__dict__)
-    return res
-
-def take(b:tuple, idxs:Tensor) -> tuple:
-    "Index every tensor of the batch tuple `b` (nested tuples too) with `idxs`, keeping each tensor's type"
-    idxs = plain(idxs)
-    return _apply(lambda t: _index(t, idxs if idxs.device == t.device else idxs.to(t.device)), tuple(b))
+# the shared base's names, and the step's functions now in `core`, keep their old import path, `loss_filters.batch`
+_all_ = ['LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches',   # nbdev adds these to `__all__`
+         'plain', 'frozen_norm_stats', 'downsample', 'take']
 
 # %% ../nbs/01_batch.ipynb #6f66dab9
 def _check_kwargs(cls, kwargs:dict):
@@ -169,24 +125,22 @@ class LossFilterCallback(LossFilterBase):
         "The scoring pass's precision: `MixedPrecision`'s own autocast when the Learner has it, else `score_precision`'s"
         mp, dtype = getattr(self, '_mp', None), PRECISIONS[self.score_precision]
         if getattr(mp, 'autocast', None) is not None: return mp.autocast
-        if dtype is None: return nullcontext()
+        if dtype is None: return None
         return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
 
     def score_batch(self) -> tuple:
-        "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace"
+        "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace (`score_examples`)"
         learn = self.learn
-        model = _unwrap(learn.model)
-        with torch.no_grad(), self._autocast(), frozen_norm_stats(model, getattr(self, '_norms', None)):
-            pred = self._as_loss_sees(model(*downsample(plain(learn.xb), self.scale_factor)))
-            losses, scores = loss_and_score(self.score, self.score_func, plain(pred), *plain(learn.yb))
+        losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
+                                        after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
         self.fit_scored += losses.shape[0]
         self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
-        return plain(losses).float(), plain(scores).float()
+        return losses, scores
 
     def _check_first_batch(self):
         "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
         self._checked = True
-        _apply(lambda t: t, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
+        map_batch(noop, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
 
     def _check_step_losses(self):
         "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
@@ -194,20 +148,22 @@ class LossFilterCallback(LossFilterBase):
         with torch.no_grad(): per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
 
     def before_batch(self):
-        learn = self.learn   # attributes read from the Learner directly: a callback's own lookup goes through `GetAttr`
-        bs = find_bs(learn.yb)
-        self.n_seen += bs
-        idxs = None
-        active = self.is_active()
+        "Score the batch, select the examples to train on, and take them (or pool them, with `fill_batch`)"
         if not self._checked: self._check_first_batch()
-        if active:
-            losses, scores = self.score_batch()
-            idxs = at_least_two(self.select(scores), scores).sort().values   # in the batch's own order: a `SortedDL` batch stays sorted
-            self._record(losses, scores, idxs, bs)
-        else: self.n_kept += bs
+        learn, bs = self.learn, find_bs(self.learn.yb)   # the Learner read directly: a callback's own lookup goes through `GetAttr`
+        self.n_seen += bs
+        idxs = self._selected(bs) if self.is_active() else None
+        if idxs is None: self.n_kept += bs
         self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
         if self.fill_batch: self._fill(idxs)
         elif idxs is not None and len(idxs) < bs: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
+
+    def _selected(self, bs:int) -> Tensor:
+        "The batch's kept indices, at least two, in the batch's own order (a `SortedDL` batch stays sorted), recorded"
+        losses, scores = self.score_batch()
+        idxs = at_least_two(self.select(scores), scores).sort().values
+        self._record(losses, scores, idxs, bs)
+        return idxs
 
     def after_loss(self):
         "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
@@ -259,9 +215,9 @@ class BatchPool:
     def take(self, k:int) -> tuple:
         "The first `k` pooled examples as one batch tuple; the rest stay in the pool"
         b = _cat(self.parts)
-        self.parts = [_apply(lambda t: t[k:], b)] if k < self.n else []
+        self.parts = [map_batch(lambda t: t[k:], b)] if k < self.n else []
         self.n -= k
-        return _apply(lambda t: t[:k], b)
+        return map_batch(lambda t: t[:k], b)
 
 # %% ../nbs/01_batch.ipynb #68566b8d
 class SelectiveBackpropCallback(LossFilterCallback):

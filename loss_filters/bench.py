@@ -4,18 +4,18 @@
 
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
-import json, math, platform, random, sys, time
+import inspect, json, math, platform, random, sys, time
 from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
-from fastcore.script import anno_parser
+from fastcore.script import anno_parser, Param
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
-from .base import plain
-from .batch import LossFilterCallback, frozen_norm_stats, take
+from .core import plain, frozen_norm_stats, take
+from .batch import LossFilterCallback
 from .data import load_dls, CropFlip
 from .models import WideResNet, simple_cnn, simple_mlp
-from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost
+from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter
 from .verdicts import best_plain, format_table, verdict_lines
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
@@ -24,8 +24,8 @@ from .verdicts import *
 from .plots import *
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODELS', 'make_model', 'bench_learner', 'valid_accuracy', 'run_method', 'plain_step_seconds',
-           'measure_score_cost', 'profile_step', 'lf_bench', 'main']
+__all__ = ['PRESETS', 'MODELS', 'SWITCH', 'DATASETS', 'make_model', 'bench_learner', 'valid_accuracy', 'run_method',
+           'plain_step_seconds', 'measure_score_cost', 'profile_step', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #94125ca3
 # `quick`: `make bench`, minutes. `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length
@@ -70,28 +70,20 @@ def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str
                    check=valid_accuracy, show_progress=show_progress, diag=diag, cbs=cbs)
 
 # %% ../nbs/03_bench.ipynb #01a8be0a
-class _StepClock(Callback):
-    "Seconds per batch of the first `n` training batches of a fit (data loading, forward, backward, step, callbacks), then stop"
-    order = 100
-    def __init__(self, n:int): self.n = n
-    def before_train(self): sync_device(); self.t0 = time.perf_counter()
-    def after_batch(self):
-        if self.training and self.iter + 1 == self.n: sync_device(); self.secs = (time.perf_counter() - self.t0) / self.n; raise CancelFitException()
-
 def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
     "Seconds per batch of plain fastai training, as a fit runs it: the step a filter's own work is measured against"
     set_seed(seed)
     learn = bench_learner(dls, model)
     best = math.inf
     for _ in range(3):   # the least disturbed of three short fits
-        clock = _StepClock(min(n, len(dls.train)))
+        clock = StopAfter(min(n, len(dls.train)))
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=clock)
         best = min(best, clock.secs)
     return best
 
 class _Cached(nn.Module):
-    "A stand-in model that returns a fixed output: times the scoring pass without the forward"
-    def __init__(self, out): super().__init__(); self.out = out
+    "`net` (its parameters, its norm layers) with a fixed output: times the scoring pass without the forward"
+    def __init__(self, net, out): super().__init__(); self.net, self.out = net, out
     def forward(self, *x): return self.out
 
 def measure_score_cost(dls, model:str='cnn', n:int=10, seed:int=0) -> float:
@@ -99,49 +91,50 @@ def measure_score_cost(dls, model:str='cnn', n:int=10, seed:int=0) -> float:
     set_seed(seed)
     return learner_score_cost(bench_learner(dls, model), n)
 
+def _acting(cb_cls, kw:dict) -> dict:
+    "`kw` with the schedule of a filter that acts on every batch: the piece timings are those of a filtered step"
+    every = dict(start=0., end=1., interrupt=0, skip_epochs=0)
+    return {**kw, **{k: v for k, v in every.items() if k in inspect.signature(cb_cls).parameters}}
+
 def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
-    "Seconds per batch of each piece of a filtered step, and the filter's own work beside the model as a share of a plain step"
+    "Seconds per batch of each piece of a filtered step (the filter driven through its own events), and its own work beside the model as a share of a plain step"
     _, cb_cls, kw, _ = parse_method(spec)
     set_seed(seed)
     learn = bench_learner(dls, model)
-    cb = cb_cls(**kw)
-    learn.add_cb(cb); learn.create_opt(); learn.model.train()
+    cb, net, n_epoch = cb_cls(**_acting(cb_cls, kw)), learn.model, len(dls.train)
+    learn.add_cb(cb); learn.create_opt(); net.train()
     b = dls.train.one_batch()
-    xb, yb = b[:1], b[1:]
-    learn.xb, learn.yb, learn.train_iter, learn.epoch = xb, yb, 0, 0
-    cb.score_func, net = learn.loss_func, learn.model
-    cb._find_fit_parts()
-    cb._new_records(); cb._new_epoch()
-    losses, scores = cb.score_batch()
-    idxs = cb.select(scores).sort().values
+    xb, yb = b[:dls.n_inp], b[dls.n_inp:]
+    # what `Learner.fit` sets before a filter's events: the first batch of a one-epoch fit
+    learn.n_epoch, learn.epoch, learn.train_iter, learn.iter, learn.n_iter, learn.pct_train = 1, 0, 0, 0, n_epoch, 0.
+    learn.dl, learn.training, learn.xb, learn.yb = dls.train, True, xb, yb
+    cb('before_fit'); cb('before_train')
     def forward():
         with torch.no_grad(), frozen_norm_stats(net): return net(*plain(xb))
-    n_epoch = len(dls.train)
-    def records():   # an epoch of batches recorded, and the epoch's end that folds them
-        cb._new_epoch()
-        for _ in range(n_epoch): cb._record(losses, scores, idxs, len(scores))
-        cb._fold_epoch()
-    def before_batch():   # the callback's whole batch step, as a fit calls it (with the stand-in model: no forward)
+    def before_batch():   # the filter's whole batch step, as a fit calls it
         learn.xb, learn.yb = xb, yb
-        try: cb.before_batch()
+        try: cb('before_batch')
         except CancelBatchException: pass   # `fill_batch` waiting for a full batch
+    def fold() -> float:   # an epoch of filtered batches, then the epoch's end that folds their records: its seconds
+        cb('before_train')
+        for _ in range(n_epoch): before_batch()
+        sync_device(); t = time.perf_counter(); cb('after_train'); sync_device()
+        return time.perf_counter() - t
     def step(x, y):
         loss = learn.loss_func(net(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
     res = dict(forward=timed(forward, n))
-    learn.model = _Cached(forward())
-    learn.pct_train, learn.iter, learn.n_iter, learn.dl, learn.training, cb._checked = .5, 0, n_epoch, dls.train, True, True
-    learn.epoch = cb.skip_epochs   # an epoch the filter acts in
-    res['score'] = timed(cb.score_batch, n)   # the scoring pass but its forward: losses, scores, conversions
-    res['before_batch'] = timed(before_batch, n)
+    learn.model = _Cached(net, forward())   # the scoring pass, and the filter's step, without the model's forward
+    res.update(score=timed(cb.score_batch, n), before_batch=timed(before_batch, n), record=min(fold() for _ in range(3)) / n_epoch)
     learn.model, learn.xb, learn.yb = net, xb, yb
-    res.update(select=timed(lambda: cb.select(scores).sort(), n), record=timed(records, 1) / n_epoch,
-               take=timed(lambda: (take(xb, idxs), take(yb, idxs)), n),
+    losses, scores = cb.score_batch()
+    idxs = cb.select(scores).sort().values
+    res.update(select=timed(lambda: cb.select(scores).sort(), n), take=timed(lambda: (take(xb, idxs), take(yb, idxs)), n),
                train_kept=timed(lambda: step(take(xb, idxs), take(yb, idxs)), n), train_full=timed(lambda: step(xb, yb), n))
     res['plain_step'] = plain_step_seconds(dls, max(n, 30), model, seed)
     res['kept'], res['bs'] = len(idxs), len(scores)
     total = res['forward'] + res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
     res.update({f'{k}_share': res[k] / total for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')})
-    # the filter's own work: its whole `before_batch` besides the model's forward, and its share of the epoch's records
+    # the filter's own work: its whole batch step besides the model's forward, and its share of the epoch's end
     res['overhead'] = res['before_batch'] + res['record']
     res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
@@ -149,13 +142,15 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
 # %% ../nbs/03_bench.ipynb #c42b53fc
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
 
+SWITCH, DATASETS = ('auto', 'yes', 'no'), ('auto', 'fashion_mnist', 'digits')   # the command line's choices
+
 def _switch(name:str, v:str, pre:dict) -> bool:
     "An 'auto'/'yes'/'no' option: the preset's value for 'auto'"
-    if v not in ('auto', 'yes', 'no'): raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
+    if v not in SWITCH: raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
     return pre[name] if v == 'auto' else v == 'yes'
 
-def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         preset:str='quick', # `quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
+def lf_bench(data:Param("`fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)", str, choices=DATASETS)='auto',
+         preset:Param("`quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)", str, choices=list(PRESETS))='quick',
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
          seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
          bs:int=None, # batch size; default: the preset's
@@ -169,12 +164,12 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          n_train:int=None, # use only this many training examples (0: all); default: the preset's
          n_valid:int=None, # use only this many validation examples (0: all); default: the preset's
          evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
-         controls:str='auto', # `yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's
+         controls:Param("`yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's", str, choices=SWITCH)='auto',
          budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
          score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
-         model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
-         augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
+         model:Param("the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)", str, choices=list(MODELS))='cnn',
+         augment:Param("`yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's", str, choices=SWITCH)='auto',
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
@@ -242,7 +237,7 @@ def _spelled_for(parser, argv:list) -> list:
     return [fix(a) for a in argv]
 
 def main():
-    "The `lf_bench` console script: options spelled `--n_train` or `--n-train` under any fastcore; exit status 0"
+    "The `lf_bench` console script: `lf_bench`'s `Param`s and docments parsed as `call_parse` parses them, options spelled `--n_train` or `--n-train` under any fastcore"
     p = anno_parser(lf_bench)
     args = vars(p.parse_args(_spelled_for(p, sys.argv[1:])))
     for k in ('pdb', 'xtra'): args.pop(k, None)   # fastcore's own options

@@ -10,7 +10,7 @@ import torch
 from fastcore.basics import store_attr
 from fastai.basics import Learner, Callback, CancelFitException
 from fastprogress.fastprogress import progress_bar
-from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost
+from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, StopAfter
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs,
                                    best_plain, verdict_lines, payoff_line, format_table, ci_text)
 from .plots import budget_figure, time_figure, save_figure
@@ -127,12 +127,6 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
 
 # %% ../nbs/11_compare.ipynb #ab5ad80b
-class _StopAfter(Callback):
-    "Cancel the fit after `n` training batches (a warm-up)"
-    def __init__(self, n:int=3): self.n = n
-    def after_batch(self):
-        if self.training and self.iter + 1 >= self.n: raise CancelFitException()
-
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
                     methods:str='baseline blf stale hide', # space-separated methods, spelled as `lf_bench`'s: `"baseline blf sb:keep=.3"`
                     epochs:int=5, # epochs of the full schedule (a method's own `epochs=` overrides it)
@@ -174,7 +168,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     if settings['score_cost'] is None: settings['score_cost'] = learner_score_cost(probe)
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
     if warmup and len(done) == 0:
-        with probe.no_bar(), probe.no_logging(): probe.fit(1, lr, cbs=_StopAfter(3))
+        with probe.no_bar(), probe.no_logging(): probe.fit(1, lr, cbs=StopAfter(3))
     del probe
     seed_list, runs = range(seed, seed + seeds), []
     n_filters = sum(parse_method(s)[1] is not None for s in specs)   # each gets a random control; the rate controls are extra

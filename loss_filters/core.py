@@ -5,6 +5,7 @@
 # %% ../nbs/00_core.ipynb #08d2c3b2
 from __future__ import annotations
 import functools, inspect, math, numbers
+from contextlib import contextmanager, nullcontext
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
 
@@ -12,8 +13,9 @@ from torch import nn, Tensor
 __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm',
            'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'acc_dtype', 'select_by_rank',
            'select_by_loss_share', 'at_least_two', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate',
-           'prune_at_random', 'select_at_random', 'reweighted_loss', 'check_schedule', 'should_select', 'dist_world',
-           'all_reduce_sum', 'own_generator']
+           'prune_at_random', 'select_at_random', 'reweighted_loss', 'plain', 'map_batch', 'take', 'frozen_norm_stats',
+           'downsample', 'score_examples', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum',
+           'own_generator']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -342,6 +344,74 @@ def reweighted_loss(loss:Tensor, # the batch's loss as the user's loss function 
     total = losses.detach().sum()
     scale = torch.where(total != 0, loss.detach() / total, loss.new_tensor(1 / max(len(losses), 1)))   # no grad through it
     return (losses * weights).sum() * scale
+
+# %% ../nbs/00_core.ipynb #e308b8c1
+def plain(o):
+    "`o` with every tensor (in nested tuples too) viewed as a plain `torch.Tensor`: no fastai type dispatch"
+    if isinstance(o, Tensor): return o if type(o) is Tensor else o.as_subclass(Tensor)
+    if isinstance(o, (tuple, list)): return type(o)(plain(t) for t in o)
+    return o
+
+def map_batch(f, b):
+    "Apply `f` to every tensor of the (nested) batch tuple `b`; anything else in it is an error naming its type"
+    if isinstance(b, Tensor): return f(b)
+    if isinstance(b, (tuple, list)): return type(b)(map_batch(f, t) for t in b)
+    raise TypeError(f"a loss filter can only subset a batch of tensors (tuples of them too), got a {type(b).__name__}: "
+                    "give the Learner a batch of tensors, or train without the filter")
+
+def _index(t:Tensor, idxs:Tensor) -> Tensor:
+    "`t[idxs]` computed on plain tensors, handed back in `t`'s own type with its metadata"
+    if type(t) is Tensor: return t[idxs]
+    res = t.as_subclass(Tensor)[idxs].as_subclass(type(t))
+    if t.__dict__: res.__dict__.update(t.__dict__)
+    return res
+
+def take(b:tuple, # the batch: a tuple of tensors (nested tuples too), all of one batch size
+         idxs:Tensor): # the indices of the examples to keep
+    "Index every tensor of the batch tuple `b` with `idxs`, keeping each tensor's type"
+    idxs = plain(idxs)
+    return map_batch(lambda t: _index(t, idxs if idxs.device == t.device else idxs.to(t.device)), tuple(b))
+
+# %% ../nbs/00_core.ipynb #9ab868c7
+@contextmanager
+def frozen_norm_stats(model:nn.Module, norms:list|None=None):
+    "Batch-norm layers in training mode use batch statistics but leave their running statistics untouched"
+    mods = [m for m in (model.modules() if norms is None else norms)   # `norms`: the model's norm layers, found once
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    for m in mods: m.track_running_stats = False
+    try: yield
+    finally:
+        for m in mods: m.track_running_stats = True
+
+_interp_modes = {3: 'linear', 4: 'bilinear', 5: 'trilinear'}
+
+def downsample(xb:tuple, scale_factor:float) -> tuple:
+    "Shrink every 3-5-D floating point tensor of `xb` by `scale_factor` for a cheaper scoring pass"
+    if scale_factor == 1: return xb
+    res = tuple(F.interpolate(x, scale_factor=scale_factor, mode=_interp_modes[x.ndim], align_corners=False,
+                              recompute_scale_factor=False)
+                if isinstance(x, Tensor) and x.is_floating_point() and x.ndim in _interp_modes else x for x in xb)
+    if all(r is x for r, x in zip(res, xb)):
+        raise ValueError(f"`scale_factor`={scale_factor} needs a 3-D to 5-D floating point input (signal, image, volume); "
+                         f"got {[tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in xb]}")
+    return res
+
+# %% ../nbs/00_core.ipynb #2fb12a5f
+def score_examples(model:nn.Module, # the model, in the mode the training step uses
+                   xb:tuple, # the batch's inputs
+                   yb:tuple, # the batch's targets
+                   loss_func, # a loss `per_sample_loss` accepts
+                   score:str='loss', # what to score: 'loss' or 'grad_norm' (at the model's output)
+                   scale_factor:float=1., # downsample image-like inputs by this factor first, in (0, 1]
+                   after_pred=None, # a function of the prediction, applied before the loss
+                   autocast=None, # a context manager for the pass's precision (`torch.autocast`); None: full precision
+                   norms:list|None=None): # the model's norm layers, if already found
+    "Per-example losses and scores (float, plain tensors) of the batch, from a no-grad forward pass that leaves no trace in the model"
+    with torch.no_grad(), (autocast or nullcontext()), frozen_norm_stats(model, norms):
+        pred = model(*downsample(plain(tuple(xb)), scale_factor))
+        if after_pred is not None: pred = after_pred(pred)
+        losses, scores = loss_and_score(score, loss_func, plain(pred), *plain(tuple(yb)))
+    return plain(losses).float(), plain(scores).float()
 
 # %% ../nbs/00_core.ipynb #0b63721c
 def check_schedule(start:float, end:float, interrupt:int):

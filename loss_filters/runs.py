@@ -7,16 +7,17 @@ from __future__ import annotations
 import math, random, statistics, time
 from pathlib import Path
 import torch
-from fastai.basics import Callback, set_seed, find_bs
+from fastai.basics import Callback, CancelFitException, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
-from .base import plain
-from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, frozen_norm_stats
+from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback
+from .core import plain, frozen_norm_stats
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'parse_method', 'lower_is_better', 'metric_sign', 'sync_device',
-           'fit_scored', 'EpochClock', 'run_fit', 'time_to_target', 'add_work', 'timed', 'learner_score_cost']
+           'fit_scored', 'EpochClock', 'run_fit', 'time_to_target', 'add_work', 'timed', 'StopAfter',
+           'learner_score_cost']
 
 # %% ../nbs/08_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -151,7 +152,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
                 final_accuracy=h[-1]['accuracy'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
                 trained=h[-1]['trained'], scored=h[-1]['scored'],
                 plain_epoch=plain_epoch_size(learn.dls.train.n, learn.dls.train.bs, learn.dls.train.drop_last),
-                lr_mult=filt.mean_lr_mult if filt is not None else 1., history=h,
+                lr_mult=getattr(filt, 'mean_lr_mult', 1.), history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
 
 # %% ../nbs/08_runs.ipynb #4f5be553
@@ -189,6 +190,16 @@ def timed(f, n:int, rounds:int=5) -> float:
         sync_device()
         best = min(best, (time.perf_counter() - t) / n)
     return best
+
+class StopAfter(Callback):
+    "Stop the fit after its first `n` training batches (a warm-up, a short timing), and keep their seconds per batch in `secs`"
+    order = 100
+    def __init__(self, n:int=3): self.n = n
+    def before_train(self): sync_device(); self.t0 = time.perf_counter()
+    def after_batch(self):
+        if self.training and self.iter + 1 >= self.n:
+            sync_device(); self.secs = (time.perf_counter() - self.t0) / self.n   # data loading, forward, backward, step, callbacks
+            raise CancelFitException()
 
 def _first(pred): return pred[0] if isinstance(pred, (tuple, list)) else pred   # text models return (output, raw, dropped)
 

@@ -13,9 +13,9 @@ from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
-                               check_range, dist_world, all_reduce_sum, prune_at_random)
+                               check_range, dist_world, all_reduce_sum, prune_at_random, plain)
 from fastcore.basics import noop
-from .base import LossFilterBase, plain, orders_own_batches, unwrapped_loader, warn_no_op
+from .base import LossFilterBase, orders_own_batches, unwrapped_loader, warn_no_op
 
 # %% auto #0
 __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
@@ -92,6 +92,7 @@ class SamplerPruningCallback(LossFilterBase):
         raise NotImplementedError
 
     _local_sums = ('n_seen', 'n_trained', '_loss_sum', '_n_loss')   # the stale-loss sums come from the shared table
+    _hot = LossFilterBase._hot | {'_lrs'}
     same_count = True   # every rank trains equal batches
     _stateattrs = ('gen',)   # not pickled by `learn.export()`: old torch cannot, and a CUDA one would not load on the CPU
 
@@ -118,12 +119,14 @@ class SamplerPruningCallback(LossFilterBase):
     def _new_records(self):
         "Also an empty score table (NaN: not known yet), at a fit's first epoch"
         super()._new_records()
+        self.lr_stats = []     # per step: `(train_iter, lr_used, lr_scheduled)`
         self.prune_hist = []   # per pruned epoch, `hist_bins` counts of the kept and left-out stale scores: bounded memory
         self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=next(self.model.parameters()).device)
 
     def _restore(self):
         "Give the training loader back its own order, batching and length, and the optimiser its scheduled rate"
         super()._restore()
+        self._lr_back()
         saved = getattr(self, '_saved', None)
         if saved is None: return
         dl, inner, n = saved
@@ -201,7 +204,36 @@ class SamplerPruningCallback(LossFilterBase):
         if self.weights is not None:   # the policy's loss weights for this epoch, reduced as the user's loss reduces
             self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, self.weights[idx].to(losses.dtype))
 
-    def _lr_factor(self) -> float: return self._lr_mult
+    def before_step(self):
+        "Raise the rate for this step by the epoch's multiplier (1 unless `lr_scale`), and record the rate used beside the scheduled one"
+        opt, f = self.learn.opt, self._lr_mult
+        lr = float(opt.hypers[-1]['lr'])
+        if f != 1:
+            self._lrs = [h['lr'] for h in opt.hypers]
+            opt.set_hyper('lr', [r * f for r in self._lrs])
+        self.lr_stats.append((self.learn.train_iter, lr * f, lr))
+
+    def after_step(self): self._lr_back()
+
+    def after_cancel_step(self):
+        "A skipped step (a mixed-precision overflow) used no rate"
+        if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
+
+    def after_cancel_batch(self):
+        "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
+        self.after_cancel_step()
+        self._lr_back()
+
+    def _lr_back(self):
+        "The scheduled learning rates back in the optimiser, if a raise is in place"
+        lrs, self._lrs = self.__dict__.get('_lrs'), None
+        if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
+
+    @property
+    def mean_lr_mult(self) -> float:
+        "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
+        rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
+        return sum(rs) / len(rs) if rs else 1.
 
     def _share_table(self):
         "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
@@ -244,6 +276,20 @@ class SamplerPruningCallback(LossFilterBase):
                title=f'What {len(rows)} pruned epoch(s) kept and left out')
         ax.legend(loc='best', fontsize='small')
         if not rows: ax.text(.5, .5, 'no pruned epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+        return ax.figure
+
+    def plot_lr(self, ax=None):
+        "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
+        import matplotlib.pyplot as plt
+        if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
+        rec = getattr(self, 'lr_stats', [])
+        its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
+        ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
+        ax.plot(its, used, '-', lw=1.2, label='used')
+        self._epoch_lines(ax)
+        ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
+        ax.legend(loc='best', fontsize='small')
+        if not rec: ax.text(.5, .5, 'no step yet', ha='center', va='center', transform=ax.transAxes, color='grey')
         return ax.figure
 
     def plot_diagnostics(self):

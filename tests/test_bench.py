@@ -332,6 +332,12 @@ def test_console_script_takes_both_option_spellings(tmp_path, spelling):
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['n_train'] == 300 and saved['evals_per_epoch'] == 2 and saved['score_cost'] == .5
 
+@pytest.mark.parametrize('opt,bad', [('--preset', 'fast'), ('--model', 'vit'), ('--augment', 'maybe'), ('--data', 'cifar')])
+def test_console_script_refuses_an_unknown_choice_before_any_work(opt, bad):
+    script = Path(sys.executable).parent / 'lf_bench'
+    r = subprocess.run([str(script), opt, bad], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f'argument {opt}: invalid choice: {bad!r}' in r.stderr and 'lf_bench:' not in r.stdout
+
 # ------------------------------------------------------------------ the augmented preset: crop and flip on a long schedule
 def test_aug_preset_settings_are_pinned():
     "The regime the recipes were published for: crop and flip, 68 epochs (the plain model's plateau), every control"

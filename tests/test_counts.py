@@ -170,13 +170,18 @@ def test_random_control_gives_the_raised_rate_back_after_an_error():
     learn.remove_cb(cb)
     assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-2)
 
-def test_a_batch_filter_records_every_real_step_and_no_skipped_one(digits_dls):
+def test_a_batch_filter_leaves_the_rate_alone(digits_dls):
+    class StepLR(Callback):
+        order = 100
+        def before_fit(self): self.at = {}
+        def before_step(self): self.at[self.train_iter] = self.opt.hypers[-1]['lr']
     set_seed(0)
-    cb, lrs = BatchLossFilterCallback(skip_epochs=0), LRSpy()
-    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=[cb, lrs, GradientAccumulation(n_acc=128)])
-    fit(learn, 2)
-    assert len(cb.lr_stats) == len(lrs.lrs) < 2 * len(digits_dls.train)    # only the steps that happened
-    assert [u for _, u, _ in cb.lr_stats] == pytest.approx(lrs.lrs) and cb.mean_lr_mult == 1.
+    cb, spy = BatchLossFilterCallback(skip_epochs=0), StepLR()
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=[cb, spy, GradientAccumulation(n_acc=128)])
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
+    assert cb.stats and 0 < len(spy.at) < 2 * len(digits_dls.train)              # it filtered, and only some batches stepped
+    assert list(spy.at.values()) == pytest.approx([learn.recorder.hps['lr'][i] for i in spy.at])   # each at the scheduled rate
+    assert not hasattr(cb, 'lr_stats') and not hasattr(cb, 'mean_lr_mult')       # the rate raise and its records are the pruners'
 
 # ------------------------------------------------------------------ loss_perc: on the same examples as samp_perc
 class Ident(torch.nn.Module):

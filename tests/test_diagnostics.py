@@ -52,16 +52,17 @@ def test_stale_left_out_scores_sit_low(digits):
     top = lambda c: int(torch.nonzero(c).max())
     assert top(row['left_out']) < top(row['kept'])                                  # the hardest examples are all kept
 
-def test_batch_filter_diagnostics_add_the_learning_rate(digits_dls):
+def test_batch_filter_diagnostics(digits_dls):
     set_seed(0)
     cb = BatchLossFilterCallback(skip_epochs=0)
     learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=cb)
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
     fig = cb.plot_diagnostics()
-    kept, share, lr = fig.axes[:3]
+    kept, share, hist_all, hist_cut = fig.axes[:4]
     assert len(kept.lines[0].get_xdata()) == len(cb.stats) == 2 * len(digits_dls.train)
-    assert list(lr.lines[1].get_ydata()) == [u for _, u, _ in cb.lr_stats] and len(cb.lr_stats) == 2 * len(digits_dls.train)
-    assert list(lr.lines[1].get_xdata()) == list(range(2 * len(digits_dls.train)))
+    assert list(kept.lines[0].get_ydata()) == [b['kept'] / b['bs'] for b in cb.stats]
+    assert list(share.lines[0].get_ydata()) == [b['loss_share'] for b in cb.stats]
+    assert hist_all.get_yscale() == 'log' and 'cut' in hist_cut.get_title()
     plt.close(fig)
 
 def test_sampler_diagnostics_before_any_fit():

@@ -223,7 +223,7 @@ def test_plots_before_any_batch_was_filtered(digits_dls):
     for f in (cb.plot_kept, cb.plot_loss_share, cb.plot_score_hist, cb.plot_diagnostics): plt.close(f())
     learn = fit(learner(digits_dls).batch_loss_filter(), 1)    # the first epoch is never filtered
     fig = learn.loss_filter.plot_diagnostics()
-    assert len(fig.axes) == 6 and len(fig.axes[0].lines[0].get_xdata()) == 0        # kept, share, rate, two heat maps, a colour bar
+    assert len(fig.axes) == 5 and len(fig.axes[0].lines[0].get_xdata()) == 0        # kept, share, two heat maps, a colour bar
     plt.close(fig)
 
 def test_each_plot_has_its_axes_and_points(digits_dls):
@@ -248,7 +248,7 @@ def test_each_plot_has_its_axes_and_points(digits_dls):
     assert counts[:, 0].sum() == 2 * n_b * 64                                  # every example of the two filtered epochs
     plt.close(fig)
     fig = cb.plot_diagnostics()
-    assert len(fig.axes) == 6
+    assert len(fig.axes) == 5 and [a.get_title() for a in fig.axes[:2]] == ['Samples kept per batch', 'Kept loss share per batch']
     plt.close(fig)
 
 def test_stale_pruning_diagnostics(digits_dls):
