@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
-from fastcore.script import anno_parser, Param
+from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
 from .core import plain, frozen_norm_stats, take
 from .batch import LossFilterCallback
@@ -149,8 +149,8 @@ def _switch(name:str, v:str, pre:dict) -> bool:
     if v not in SWITCH: raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
     return pre[name] if v == 'auto' else v == 'yes'
 
-def lf_bench(data:Param("`fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)", str, choices=DATASETS)='auto',
-         preset:Param("`quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)", str, choices=list(PRESETS))='quick',
+def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
+         preset:str='quick', # `quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
          seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
          bs:int=None, # batch size; default: the preset's
@@ -164,12 +164,12 @@ def lf_bench(data:Param("`fashion_mnist`, `digits`, or `auto` (Fashion-MNIST whe
          n_train:int=None, # use only this many training examples (0: all); default: the preset's
          n_valid:int=None, # use only this many validation examples (0: all); default: the preset's
          evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
-         controls:Param("`yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's", str, choices=SWITCH)='auto',
+         controls:str='auto', # `yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's
          budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
          score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
-         model:Param("the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)", str, choices=list(MODELS))='cnn',
-         augment:Param("`yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's", str, choices=SWITCH)='auto',
+         model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
+         augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False): # no fastai progress bars or per-epoch tables
     "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
@@ -237,8 +237,11 @@ def _spelled_for(parser, argv:list) -> list:
     return [fix(a) for a in argv]
 
 def main():
-    "The `lf_bench` console script: `lf_bench`'s `Param`s and docments parsed as `call_parse` parses them, options spelled `--n_train` or `--n-train` under any fastcore"
+    "The `lf_bench` console script: `lf_bench`'s docments parsed as `call_parse` parses them, with the choices of its options; `--n_train` or `--n-train` under any fastcore"
     p = anno_parser(lf_bench)
+    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS), controls=SWITCH, augment=SWITCH)
+    for a in p._actions:   # argparse refuses any other value before any work, naming the choices
+        if a.dest in choices: a.choices = choices[a.dest]
     args = vars(p.parse_args(_spelled_for(p, sys.argv[1:])))
     for k in ('pdb', 'xtra'): args.pop(k, None)   # fastcore's own options
     lf_bench(**args)
