@@ -18,7 +18,7 @@ from fastcore.basics import noop
 from .base import LossFilterBase, orders_own_batches, unwrapped_loader, warn_no_op
 
 # %% auto #0
-__all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'rate_ahead', 'StaleLossPruningCallback',
+__all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
            'HideLearnedCallback', 'RandomPruningCallback']
 
 # %% ../nbs/05_sampler.ipynb #1acfc172
@@ -300,6 +300,30 @@ class SamplerPruningCallback(LossFilterBase):
         fig.suptitle(type(self).__name__)
         return fig
 
+# %% ../nbs/05_sampler.ipynb #3beb3e20
+class StaleLossPruningCallback(SamplerPruningCallback):
+    "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean (InfoBatch's rule)"
+    def __init__(self,
+                 prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
+                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
+                 score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
+                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+        check_range('prune', prune, 0, 1, hi_open=True)
+        if prune == 0: warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
+        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
+        self.prune = prune
+
+    def epoch_keep(self):
+        keep, w = prune_by_stale_loss(self.table, self.prune, generator=self.gen)
+        return keep, (w if self.prune > 0 else None)
+
+@patch
+@delegates(StaleLossPruningCallback)
+def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, **kwargs):
+    "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
+    cb = StaleLossPruningCallback(prune, anneal, **kwargs)
+    return self._set_loss_filter(cb)
+
 # %% ../nbs/05_sampler.ipynb #7b92f881
 def rate_ahead(learn:Learner, # a Learner inside a fit
                pct:float # the share of training done, in [0, 1]
@@ -311,38 +335,6 @@ def rate_ahead(learn:Learner, # a Learner inside a fit
     lrs = np.array([float(np.max(sched.scheds['lr'](float(p)))) for p in grid])
     ahead = max(float(np.max(sched.scheds['lr'](float(pct)))), float(lrs[grid >= pct].max(initial=0.)))
     return (ahead, float(lrs.max())) if lrs.max() > 0 else None
-
-# %% ../nbs/05_sampler.ipynb #3beb3e20
-class StaleLossPruningCallback(SamplerPruningCallback):
-    "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean (InfoBatch's rule)"
-    def __init__(self,
-                 prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
-                 anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
-                 lr_scale:bool=False, # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
-                 follow_lr:bool=False): # once the scheduled rate decays, prune `prune` times the rate still ahead over the peak
-        check_range('prune', prune, 0, 1, hi_open=True)
-        if not isinstance(follow_lr, bool): raise TypeError(f"`follow_lr` must be True or False, got {follow_lr!r}")
-        if prune == 0: warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
-        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
-        store_attr('prune,follow_lr')
-
-    def prune_share(self) -> float:
-        "The share of the below-mean examples this epoch leaves out: `prune`, stepped down with the rate under `follow_lr`"
-        r = rate_ahead(self.learn, self.epoch / self.n_epoch) if self.follow_lr else None
-        return self.prune if r is None else share_by_rate(self.prune, *r)
-
-    def epoch_keep(self):
-        p = self.prune_share()
-        keep, w = prune_by_stale_loss(self.table, p, generator=self.gen)
-        return keep, (w if p > 0 else None)
-
-@patch
-@delegates(StaleLossPruningCallback)
-def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, **kwargs):
-    "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
-    cb = StaleLossPruningCallback(prune, anneal, **kwargs)
-    return self._set_loss_filter(cb)
 
 # %% ../nbs/05_sampler.ipynb #f3a1c2d5
 class HideLearnedCallback(SamplerPruningCallback):

@@ -37,7 +37,6 @@ def test_pruned_examples_are_uniform_over_the_below_mean_ones():
 @pytest.mark.parametrize('kw,name', [(dict(prune=1.), 'prune'), (dict(prune=-.1), 'prune'), (dict(anneal=1.5), 'anneal')])
 def test_bad_arguments(kw, name):
     with pytest.raises(ValueError, match=f'`{name}`'): StaleLossPruningCallback(**kw)
-    with pytest.raises(TypeError, match='`follow_lr`'): StaleLossPruningCallback(follow_lr='yes')
 
 # ------------------------------------------------------------------ the callback, with fixed losses
 class FixedLogits(nn.Module):
@@ -214,25 +213,3 @@ def test_rank_share_splits_evenly_into_whole_batches():
     assert rank_share(order, 0, 1, bs=3, drop_last=True) is order
     assert rank_share(torch.arange(1), 1, 4, bs=1, drop_last=False).tolist() == [0]                # fewer examples than ranks
 
-
-# ------------------------------------------------------------------ a pruned share that follows the rate
-class Pruned(Callback):
-    "Examples trained per epoch, and the share the filter prunes, read as the epoch starts"
-    order = 100
-    def before_fit(self): self.n, self.share = {}, {}
-    def before_train(self): self.share[self.epoch] = self.learn.loss_filter.prune_share()
-    def after_loss(self):
-        if self.training: self.n[self.epoch] = self.n.get(self.epoch, 0) + len(self.yb[0])
-
-@pytest.mark.parametrize('follow', [True, False])
-def test_follow_lr_steps_the_pruned_share_down_with_the_one_cycle_rate(follow):
-    learn, _ = fixed_learner(n=512)
-    cb, spy = StaleLossPruningCallback(prune=.6, anneal=0., follow_lr=follow), Pruned()
-    learn.add_cbs([cb, spy])
-    _fit(learn, 8, lr=1e-2, one_cycle=True)
-    shares, n = [spy.share[e] for e in range(8)], [spy.n[e] for e in range(8)]
-    if not follow: assert shares == [.6] * 8 and max(n[1:]) < n[0]
-    else:
-        assert shares[:3] == [.6, .6, .6]                                   # the peak (at 25% of training) is still ahead
-        assert all(a > b for a, b in zip(shares[2:], shares[3:])) and 0 < shares[-1] < .1   # then it falls with the rate
-        assert n[1] < n[4] < n[7] <= n[0]                                   # and so the epochs prune less and less
