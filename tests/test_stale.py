@@ -212,4 +212,3 @@ def test_rank_share_splits_evenly_into_whole_batches():
     assert [len(rank_share(order, r, 3, bs=3, drop_last=True)) for r in range(3)] == [3, 3, 3]     # 4 each, cut to one batch
     assert rank_share(order, 0, 1, bs=3, drop_last=True) is order
     assert rank_share(torch.arange(1), 1, 4, bs=1, drop_last=False).tolist() == [0]                # fewer examples than ranks
-
