@@ -189,23 +189,34 @@ class LossFilterBase(Callback):
     def _epoch_lines(self, ax):
         for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
 
+    @staticmethod
+    def _axes(ax):
+        "`ax`, or the axes of a new figure"
+        import matplotlib.pyplot as plt
+        return ax if ax is not None else plt.subplots(figsize=(6, 3.5))[1]
+
+    @staticmethod
+    def _note_if_empty(ax, empty:bool, what:str='no batch filtered yet'):
+        "A grey note in the middle of an empty panel"
+        if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
+
     def _per_batch(self, ax, ys:list, ylabel:str, title:str):
         stats = L(getattr(self, 'stats', []))
         ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
         self._epoch_lines(ax)
         ax.set(xlabel='training iteration', ylabel=ylabel, ylim=(0, 1.05), title=title)
-        _note_if_empty(ax, not stats)
+        self._note_if_empty(ax, not stats)
         return ax.figure
 
     def plot_kept(self, ax=None):
         "Share of each filtered batch that was kept for the backward pass, over training iterations"
         stats = L(getattr(self, 'stats', []))
-        return self._per_batch(_axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
+        return self._per_batch(self._axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
 
     def plot_loss_share(self, ax=None):
         "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
         stats = L(getattr(self, 'stats', []))
-        return self._per_batch(_axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
+        return self._per_batch(self._axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
 
     def plot_score_hist(self, axs=None):
         "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
@@ -223,7 +234,7 @@ class LossFilterBase(Callback):
             mesh = ax.pcolormesh(xs.numpy(), edges.numpy(), share, norm=LogNorm(1e-4, 1), cmap='viridis', shading='flat')
             self._epoch_lines(ax)
             ax.set(yscale='log', xlabel='training iteration', title=f'{self.score}: {title}')
-            _note_if_empty(ax, not len(its))
+            self._note_if_empty(ax, not len(its))
         axs[0].set_ylabel(f'per-example {self.score}')
         axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
         return axs[0].figure
@@ -240,13 +251,6 @@ class LossFilterBase(Callback):
         return fig
 
 # %% ../nbs/00a_base.ipynb #b76897f0
-def _axes(ax):
-    import matplotlib.pyplot as plt
-    return ax if ax is not None else plt.subplots(figsize=(6, 3.5))[1]
-
-def _note_if_empty(ax, empty:bool, what='no batch filtered yet'):
-    if empty: ax.text(.5, .5, what, ha='center', va='center', transform=ax.transAxes, color='grey')
-
 class LossFilterColumns(Callback):
     "The filter's columns in the fit table: named after the `Recorder` names its own, filled after validation"
     order,name = Recorder.order+1,'loss_filter_columns'

@@ -255,19 +255,16 @@ class SamplerPruningCallback(LossFilterBase):
     def plot_kept(self, ax=None):
         "`samp_perc` of each epoch: the share of a plain epoch that got a backward pass"
         from matplotlib.ticker import MaxNLocator
-        import matplotlib.pyplot as plt
-        if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-        stats = list(getattr(self, 'epoch_stats', []))
+        ax, stats = self._axes(ax), list(getattr(self, 'epoch_stats', []))
         ax.plot([e['epoch'] for e in stats], [e['samp_perc'] for e in stats], 'o-')
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(xlabel='epoch', ylabel='share of a plain epoch trained', ylim=(0, 1.05), title='Share trained per epoch')
-        if not stats: ax.text(.5, .5, 'no epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+        self._note_if_empty(ax, not stats, 'no epoch yet')
         return ax.figure
 
     def plot_pruned_scores(self, ax=None):
         "Histogram of the stale scores of the examples the pruned epochs trained and of those they left out, summed over the epochs"
-        import matplotlib.pyplot as plt
-        if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
+        ax = self._axes(ax)
         rows, edges = getattr(self, 'prune_hist', []), torch.logspace(*(math.log10(v) for v in self.hist_range), self.hist_bins + 1)
         for k, c in (('kept', 'C0'), ('left_out', 'C3')):
             counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
@@ -275,21 +272,19 @@ class SamplerPruningCallback(LossFilterBase):
         ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision', ylabel='examples',
                title=f'What {len(rows)} pruned epoch(s) kept and left out')
         ax.legend(loc='best', fontsize='small')
-        if not rows: ax.text(.5, .5, 'no pruned epoch yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+        self._note_if_empty(ax, not rows, 'no pruned epoch yet')
         return ax.figure
 
     def plot_lr(self, ax=None):
         "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
-        import matplotlib.pyplot as plt
-        if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-        rec = getattr(self, 'lr_stats', [])
+        ax, rec = self._axes(ax), getattr(self, 'lr_stats', [])
         its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
         ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
         ax.plot(its, used, '-', lw=1.2, label='used')
         self._epoch_lines(ax)
         ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
         ax.legend(loc='best', fontsize='small')
-        if not rec: ax.text(.5, .5, 'no step yet', ha='center', va='center', transform=ax.transAxes, color='grey')
+        self._note_if_empty(ax, not rec, 'no step yet')
         return ax.figure
 
     def plot_diagnostics(self):
