@@ -13,7 +13,7 @@ from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
 from .core import plain, frozen_norm_stats, take
 from .batch import LossFilterCallback
-from .data import load_dls, CropFlip
+from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
 from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter
 from .verdicts import best_plain, format_table, verdict_lines
@@ -24,8 +24,8 @@ from .verdicts import *
 from .plots import *
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODELS', 'SWITCH', 'DATASETS', 'make_model', 'bench_learner', 'valid_accuracy', 'run_method',
-           'plain_step_seconds', 'measure_score_cost', 'profile_step', 'lf_bench', 'main']
+__all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'valid_accuracy', 'run_method', 'plain_step_seconds',
+           'measure_score_cost', 'profile_step', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #94125ca3
 # `quick`: `make bench`, minutes. `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length
@@ -142,7 +142,7 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
 # %% ../nbs/03_bench.ipynb #c42b53fc
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
 
-SWITCH, DATASETS = ('auto', 'yes', 'no'), ('auto', 'fashion_mnist', 'digits')   # the command line's choices
+SWITCH = ('auto', 'yes', 'no')   # an 'auto'/'yes'/'no' option's values
 
 def _switch(name:str, v:str, pre:dict) -> bool:
     "An 'auto'/'yes'/'no' option: the preset's value for 'auto'"

@@ -15,9 +15,10 @@ from fastai.data.core import DataLoaders
 from .core import check_range
 
 # %% auto #0
-__all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx', 'write_idx',
-           'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet', 'TensorDL', 'tensor_dls',
-           'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls', 'make_cifar_like']
+__all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'DATASETS', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx',
+           'write_idx', 'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet', 'TensorDL',
+           'tensor_dls', 'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls',
+           'make_cifar_like']
 
 # %% ../nbs/02_data.ipynb #9ea389b7
 class IdxFormatError(ValueError):
@@ -194,10 +195,12 @@ def digits_dls(bs:int=64, valid_pct:float=.2, n_train:int|None=None, n_valid:int
     return _image_dls(x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]], bs, n_train, n_valid, seed, device, label_noise)
 
 # %% ../nbs/02_data.ipynb #e779332c
+DATASETS = ('auto', 'fashion_mnist', 'digits')   # what `load_dls` loads
+
 def load_dls(data:str='auto', # `fashion_mnist`, `digits`, or `auto`: Fashion-MNIST when it can be found, else digits
              path:str|Path|None=None, **kwargs) -> tuple:
     "`(dls, name)` for the benchmark's data"
-    if data not in ('auto', 'fashion_mnist', 'digits'): raise ValueError(f"`data` must be 'auto', 'fashion_mnist' or 'digits', got {data!r}")
+    if data not in DATASETS: raise ValueError(f"`data` must be 'auto', 'fashion_mnist' or 'digits', got {data!r}")
     if data == 'digits': return digits_dls(**kwargs), 'digits'
     try: return fashion_mnist_dls(path, **kwargs), 'fashion_mnist'
     except FileNotFoundError as e:
