@@ -190,8 +190,12 @@ class SamplerPruningCallback(LossFilterBase):
         count = lambda s: torch.histc(s.clamp(*self.hist_range).log10().float(), self.hist_bins, lo, hi).long().cpu()
         self.prune_hist.append(dict(epoch=self.epoch, kept=count(self.table[known & tr]), left_out=count(self.table[known & ~tr])))
 
+    def _step_idx(self) -> Tensor:
+        "The dataset indices of the examples in this training step, in the batch's order"
+        return self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
+
     def after_loss(self):
-        idx = self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
+        idx = self._step_idx()
         pred, yb = plain(self.learn.pred), plain(self.learn.yb)   # no fastai type dispatch in the bookkeeping
         losses = per_sample_loss(self.score_func, pred, *yb)
         if self.score == 'loss': scores = losses.detach().float()

@@ -1,0 +1,50 @@
+"The experiments in `tools/`: the two combined filters train on what each of their parts would leave, and count their work."
+import importlib.util, sys
+from pathlib import Path
+import torch
+from fastai.basics import Callback, Learner, CrossEntropyLossFlat, accuracy, set_seed
+from loss_filters.all import *
+from conftest import make_dls, mlp, BatchSpy
+
+def _combined():
+    path = Path(__file__).resolve().parent.parent / 'tools' / 'combined.py'
+    spec = importlib.util.spec_from_file_location('combined', path)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+class DrawnSpy(Callback):
+    "The examples the training loader draws each epoch, before any filter takes part of a batch"
+    order = -100
+    def before_fit(self): self.drawn = []
+    def before_train(self): self.drawn.append(0)
+    def before_batch(self):
+        if self.training: self.drawn[-1] += self.yb[0].shape[0]
+
+def _fit(digits, cb, epochs=4):
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), CrossEntropyLossFlat(), metrics=accuracy, lr=1e-2)
+    learn.add_cb(cb)
+    spies = BatchSpy(), DrawnSpy()
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, cbs=list(spies))
+    return learn, *spies
+
+def test_hide_and_blf_trains_part_of_each_shown_batch_and_counts_its_scoring(digits):
+    mod = _combined()
+    assert mod.METHODS['hide_blf'][0] is mod.HideAndBatchLossCallback   # `lf_bench`'s method names reach the tool's classes
+    cb = mod.HideAndBatchLossCallback(confidence=.5, anneal=0)
+    learn, spy, drawn = _fit(digits, cb)
+    trained = [sum(s for e, _, s in spy.sizes if e == k) for k in range(4)]
+    assert trained[0] == drawn.drawn[0] == cb.n_seen   # the first epoch trains every example, as both parts do
+    assert all(d < cb.n_seen for d in drawn.drawn[1:])   # later epochs hide some examples ...
+    assert all(t < d for t, d in zip(trained[1:], drawn.drawn[1:]))   # ... and train only part of the rest
+    assert cb.fit_scored == sum(drawn.drawn[1:])   # every example drawn after the first epoch is scored once
+    assert torch.isfinite(cb.table).all()   # every example has a loss: trained, or scored in a later batch
+    assert learn.loss_filter is cb and cb.mean_lr_mult > 1   # hiding's rate raise for the epoch's fewer steps
+
+def test_hide_and_stale_leaves_out_more_than_hiding_alone(digits):
+    mod = _combined()
+    hide, *_ = _fit(digits, HideLearnedCallback(confidence=.5, anneal=0))
+    both, *_ = _fit(digits, mod.HideAndStaleCallback(confidence=.5, anneal=0))
+    kept = lambda learn: [s['samp_perc'] for s in learn.loss_filter.epoch_stats[1:]]
+    assert all(b < h for b, h in zip(kept(both), kept(hide)))
+    assert both.loss_filter.weights is not None and (both.loss_filter.weights > 1).any()   # InfoBatch's up-weighting
