@@ -149,6 +149,18 @@ def _switch(name:str, v:str, pre:dict) -> bool:
     if v not in SWITCH: raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
     return pre[name] if v == 'auto' else v == 'yes'
 
+def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
+    "Save the data settings of a run in `out`; on `resume`, check the saved ones match and return the saved runs' score cost"
+    f, saved = out / 'bench.json', None
+    if resume and f.exists():
+        saved = json.loads(f.read_text())
+        if differ := [k for k in data if saved.get(k) != data[k]]:
+            raise ValueError(f"`resume`: {out} holds runs on other data ({', '.join(f'{k}={saved.get(k)!r}, now {data[k]!r}' for k in differ)}): "
+                             "use another `out`, or start over without `resume`")
+    f.write_text(json.dumps(data, indent=1))
+    conf = out / 'comparison.json'
+    return json.loads(conf.read_text())['score_cost'] if resume and conf.exists() and (out / 'runs.jsonl').exists() else None
+
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
          preset:str='quick', # `quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
@@ -171,7 +183,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
-         quiet:bool=False): # no fastai progress bars or per-epoch tables
+         quiet:bool=False, # no fastai progress bars or per-epoch tables
+         resume:bool=False): # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
     "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     pre = PRESETS[preset]
@@ -193,13 +206,15 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     make = partial(bench_learner, dls, model)
+    saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
+                                         augment=augment, label_noise=label_noise), resume)
     run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
-    cost = measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
-    if score_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
+    cost = saved_cost or (measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost)
+    if score_cost is None and saved_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
     def announce(s, sd, rep, kind): print(f"\n== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
     cmp = compare_filters(make, methods, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
                           lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch, check=valid_accuracy,
-                          score_cost=cost, repeats=repeats, folder=out, resume=False, show_progress=False, on_run=announce, show_fits=not quiet,
+                          score_cost=cost, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet,
                           diagnostics=True, warmup=False, add_baseline=False)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)

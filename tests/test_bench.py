@@ -371,3 +371,17 @@ def test_a_seed_whose_plain_schedules_miss_the_target_counts_their_longest_cost_
     # crosses .89, 1.8; seed 1's plain runs never get there, so its longest one's 2.0 stands in
     assert blf['vs_best_plain_work_ci'] == pytest.approx((1.8 / .9, 2 / .9))
     assert blf['vs_best_plain_work_x'] == pytest.approx((1.8 / .9 + 2 / .9) / 2)
+
+def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
+    kw = dict(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline blf:skip_epochs=0', score_cost=.3, n_train=600)
+    full = lf_bench(**kw)
+    runs_f = tmp_path / 'runs.jsonl'
+    runs_f.write_text(runs_f.read_text().splitlines(keepends=True)[0])   # cut off after the plain model's run
+    capsys.readouterr()
+    res = lf_bench(**kw, resume=True)
+    said = capsys.readouterr().out
+    assert '== blf:skip_epochs=0' in said and '== baseline ' not in said   # only the missing run trains
+    assert res['runs'][0]['history'] == full['runs'][0]['history'] and len(res['runs']) == 2
+    assert res['summary'][1]['final_accuracy'] == full['summary'][1]['final_accuracy']   # the same seed trains the same model again
+    with pytest.raises(ValueError, match=r'`resume`: .* other data \(n_train=600, now 500\)'): lf_bench(**{**kw, 'n_train': 500}, resume=True)
+    assert len(lf_bench(**{**kw, 'n_train': 500})['runs']) == 2   # without `resume` it starts over
