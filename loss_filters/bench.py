@@ -151,7 +151,7 @@ def _switch(name:str, v:str, pre:dict) -> bool:
 
 def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
     "Save the data settings of a run in `out`; on `resume`, check the saved ones match and return the saved runs' score cost"
-    f, saved = out / 'bench.json', None
+    f = out / 'bench.json'
     if resume and f.exists():
         saved = json.loads(f.read_text())
         if differ := [k for k in data if saved.get(k) != data[k]]:
@@ -209,7 +209,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
                                          augment=augment, label_noise=label_noise), resume)
     run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
-    cost = saved_cost or (measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost)
+    cost = saved_cost if saved_cost is not None else measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
     if score_cost is None and saved_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
     def announce(s, sd, rep, kind): print(f"\n== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
     cmp = compare_filters(make, methods, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
