@@ -207,7 +207,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     make = partial(bench_learner, dls, model)
     saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
-                                         augment=augment, label_noise=label_noise), resume)
+                                         augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
     run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
     cost = saved_cost if saved_cost is not None else measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
     if score_cost is None and saved_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")

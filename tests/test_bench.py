@@ -384,4 +384,5 @@ def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
     assert res['runs'][0]['history'] == full['runs'][0]['history'] and len(res['runs']) == 2
     assert res['summary'][1]['final_accuracy'] == full['summary'][1]['final_accuracy']   # the same seed trains the same model again
     with pytest.raises(ValueError, match=r'`resume`: .* other data \(n_train=600, now 500\)'): lf_bench(**{**kw, 'n_train': 500}, resume=True)
+    with pytest.raises(ValueError, match=r'other data \(seed=0, now 1\)'): lf_bench(**kw, seed=1, resume=True)   # the seed draws the data split
     assert len(lf_bench(**{**kw, 'n_train': 500})['runs']) == 2   # without `resume` it starts over
