@@ -16,7 +16,7 @@ from .batch import LossFilterCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
 from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter
-from .verdicts import best_plain, format_table, verdict_lines
+from .verdicts import best_plain, format_table, verdict_lines, ci_level
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
 from .runs import *       # the benchmark's pieces keep their old import path, `loss_filters.bench`
@@ -184,7 +184,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False, # no fastai progress bars or per-epoch tables
-         resume:bool=False): # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
+         resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
+         alpha:float=.05): # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
     "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     pre = PRESETS[preset]
@@ -198,6 +199,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
+    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5): the error rate of each test, 0.05 for 5%; got {alpha!r}")
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
     if augment: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     cmp = compare_filters(make, methods, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
                           lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch, check=valid_accuracy,
                           score_cost=cost, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet,
-                          diagnostics=True, warmup=False, add_baseline=False)
+                          diagnostics=True, warmup=False, add_baseline=False, alpha=alpha)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
@@ -230,8 +232,9 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
     if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
     print(f"\nTarget accuracy {tgt:.4f}. Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
-          f"each); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} repeat(s), ±spread; "
-          f"the x columns are paired ratios (each run over the same seed's baseline), vs_best_plain over the cheapest plain schedule")
+          f"each); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} repeat(s), ±spread (max - min); "
+          f"the x columns are paired ratios (each run over the same seed's baseline; vs_best_plain over the cheapest plain schedule), geometric means; "
+          f"_ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over the {seeds} seed(s); every verdict a one-sided test at {alpha:.0%}")
     print(format_table(rows))
     for line in verdict_lines(rows, budget_runs, control_of) + cmp.payoffs(): print(line)
     for s, p in prof.items():

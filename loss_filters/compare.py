@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_compare.ipynb #64689ed7
 from __future__ import annotations
-import json, platform
+import json, math, platform, time
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
@@ -12,11 +12,14 @@ from fastai.basics import Learner, Callback, CancelFitException
 from fastprogress.fastprogress import progress_bar
 from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, StopAfter
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs,
-                                   best_plain, verdict_lines, payoff_line, format_table, ci_text)
+                                   best_plain, verdict_lines, payoff_line, payoff_word, format_table, ci_text, ci_level)
+
+def _fx(v) -> str: return '-' if v is None else f'{v:.2f}x'
+def _pct(a:float) -> str: return f"{a * 100:g}%"
 from .plots import budget_figure, time_figure, save_figure
 
 # %% auto #0
-__all__ = ['Comparison', 'compare_filters']
+__all__ = ['Comparison', 'estimate_text', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
 
 # %% ../nbs/11_compare.ipynb #651de256
 _shown = [('epochs', 'epochs'), ('reached', 'reached'), ('final', None), ('samp_perc', 'mean_samp_perc'), ('work', 'work'),
@@ -33,6 +36,8 @@ class Comparison:
     @property
     def sign(self) -> int: return self.settings['sign']
     @property
+    def alpha(self) -> float: return self.settings.get('alpha', .05)
+    @property
     def target_value(self) -> float:
         "The target in the metric's own units"
         return self.sign * self.target
@@ -45,7 +50,7 @@ class Comparison:
         for r in self.rows:
             d = dict(method=r['method'])
             for col, k in _shown: d[f'final_{self.metric}' if col == 'final' else col] = self.sign * r['final_accuracy'] if k is None else r.get(k)
-            for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k] = ci_text(d.get(k))   # 90% over seeds
+            for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(self.rows))] = ci_text(d.pop(k))   # t intervals over seeds
             for k in ('vs_budget', 'vs_random'): d[k] = f"{r[k]['diff'] * 100 * self.sign:+.2f} {r[k]['verdict']}" if r.get(k) else None
             out.append(d)
         return pd.DataFrame(out).set_index('method')
@@ -54,6 +59,20 @@ class Comparison:
         "One line per method: does it pay here, against training less?"
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
         return [payoff_line(r, bool(self.budgets)) for r in self.rows if r['method'] not in skip]
+
+    def brief(self) -> str:
+        "The verdicts as a short text table, one line per method (the controls left out): seeds, work ratios with their intervals, the payoff, the accuracy verdicts"
+        lvl, has = ci_level(self.rows), bool(self.budgets)
+        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
+        pts = lambda v: f"{v['diff'] * 100 * self.sign:+.2f} {v['verdict']}" if v else '-'
+        held = lambda v: '-' if not v else f"{v['diff'] * 100 * self.sign:+.2f} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
+        cols = ['method', 'seeds', 'reached', 'work_x', f'ci{lvl}', 'vs_training_less', f'ci{lvl}',
+                f"payoff{'' if has else '_vs_plain'}_at_{_pct(self.alpha)}", 'vs_plain_points', 'equal_work_points', 'vs_random_points']
+        out = [cols] + [[r['method'], str(r.get('seeds', 1)), f"{r['reached']}/{r['repeats']}", _fx(r.get('work_x')), ci_text(r.get('work_x_ci')) or '-',
+                         _fx(r.get('vs_best_plain_work_x')), ci_text(r.get('vs_best_plain_work_ci')) or '-', payoff_word(r, has),
+                         held(r.get('vs_plain')), pts(r.get('vs_budget')), pts(r.get('vs_random'))] for r in self.rows if r['method'] not in skip]
+        w = [max(len(row[i]) for row in out) for i in range(len(cols))]
+        return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in out)
 
     @property
     def verdicts(self) -> list:
@@ -82,7 +101,7 @@ class Comparison:
         return [folder / 'results.json'] + [save_figure(f, folder / n) for f, n in zip(self.plot(), names)]
 
     def __repr__(self):
-        return (f"Comparison on {self.metric} (target {self.target_value:.4f}), {self.settings['seeds']} seed(s)\n"
+        return (f"Comparison on {self.metric} (target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at {self.alpha:.0%}\n"
                 + format_table(self.rows) + '\n' + '\n'.join(self.verdicts))
 
 # %% ../nbs/11_compare.ipynb #7fd53d59
@@ -102,7 +121,8 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
     if metric not in names: raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
     return metric, a
 
-def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets):
+def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha=.05):
+    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5): the error rate of each test, 0.05 for 5%; got {alpha!r}")
     for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch).items():
         if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
     if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
@@ -125,6 +145,72 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
                                 "use another `folder`, or `resume=False` to start over")
     runs = [json.loads(l) for l in runs_f.read_text().splitlines() if l.strip()]
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
+
+# %% ../nbs/11_compare.ipynb #5f3c3078
+def _epochs_of(spec:str, epochs:int) -> int: return parse_method(spec)[3].get('epochs', epochs)
+
+def _budget_share(epochs:int, budgets:str) -> float:
+    "The shorter plain schedules' epochs, in full schedules"
+    return sum(int(b.split('=')[1]) for b in budget_specs(epochs, budgets)) / epochs
+
+def _duration(s:float) -> str: return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+
+def estimate_text(first_s:float, fits:float, saved:int=0) -> str:
+    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each"
+    return (f"compare_filters: a full-schedule fit takes about {_duration(first_s)} here; the comparison"
+            + (f" ({saved} runs reused from the folder)" if saved else '') + f" needs about {fits:.0f} more, about {_duration(first_s * fits)} on this machine")
+
+# %% ../nbs/11_compare.ipynb #64dadaf3
+def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float=.002) -> Comparison:
+    "The `Comparison` of `runs`: summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
+    alpha = settings.get('alpha', .05)
+    rows, tgt = summarise(runs, target, target_drop, alpha)
+    add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in runs}), tgt, runs=runs, alpha=alpha)
+    return Comparison(runs, rows, tgt, budgets, control_of, settings)
+
+def _like(name:str, spec:str) -> bool:
+    "Whether control `name` has the settings of control `spec`, but perhaps another share `keep`"
+    (_, c0, a, ra), (_, c1, b, rb) = parse_method(name), parse_method(spec)
+    return c0 is c1 and ra == rb and {k: v for k, v in a.items() if k != 'keep'} == {k: v for k, v in b.items() if k != 'keep'}
+
+def _found_controls(runs:list) -> tuple:
+    "The shorter plain schedules among `runs`, and each method's controls among them, chosen again as `compare_filters` chose them"
+    names = list(dict.fromkeys(r['method'] for r in runs))
+    budgets = [m for m in names if m.startswith('baseline:epochs=')]
+    def found(m):
+        cs = [c for c in (matched_control(m, runs), rate_control(m, runs)) if c in names]
+        if not any(c.startswith('random') for c in cs):   # runs saved without the kept shares: the random control on the same settings
+            spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
+            like = [n for n in names if spec and _like(n, spec)]
+            if len(like) == 1: cs.insert(0, like[0])
+        return cs
+    of = {m: found(m) for m in names if parse_method(m)[1] is not None}
+    controls = set(control_specs(of))
+    return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
+
+def read_runs(path) -> list:
+    "The runs saved in `path`: a folder with `runs.jsonl`, or a runs file (`.jsonl`, or gzipped `.jsonl.gz`)"
+    import gzip
+    path = Path(path)
+    f = path / 'runs.jsonl' if path.is_dir() else path
+    text = gzip.decompress(f.read_bytes()).decode() if f.suffix == '.gz' else f.read_text()
+    return [json.loads(l) for l in text.splitlines() if l.strip()]
+
+def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or `lf_bench`), a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
+                    alpha:float=.05, # the level of every test
+                    target:float|None=None, # the target in the metric's units; default the plain model's median final value, `target_drop` worse
+                    target_drop:float=.002 # the default target's distance from the plain model's final value
+                   ) -> Comparison:
+    "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`"
+    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5): the error rate of each test, 0.05 for 5%; got {alpha!r}")
+    runs = list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved)
+    conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
+    settings = json.loads(conf.read_text()) if conf is not None and conf.exists() else dict(metric='accuracy', sign=1)
+    settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
+    budgets, control_of = _found_controls(runs)
+    sign = settings.get('sign', 1)
+    return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
+
 
 # %% ../nbs/11_compare.ipynb #ab5ad80b
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
@@ -152,17 +238,18 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     show_fits:bool=False, # fastai's own bar and table for every fit
                     diagnostics:bool=False, # save each filter's diagnostics figure of the first seed in `folder`
                     warmup:bool=True, # a few untimed steps first, so the first run does not pay for start-up
-                    add_baseline:bool=True # train the plain model first when `methods` lacks it (the default target needs it)
+                    add_baseline:bool=True, # train the plain model first when `methods` lacks it (the default target needs it)
+                    alpha:float=.05 # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
                    ) -> Comparison:
     "Train the plain model and every method from the same seeds on Learners from `make_learner`, with the controls, and judge each"
     specs = methods.split()
     for s in specs: parse_method(s)
     if add_baseline and 'baseline' not in specs: specs.insert(0, 'baseline')   # the target and every paired ratio need the plain model
-    _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets)
+    _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha)
     metric, probe = _check_factory(make_learner, metric)
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
-                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost)
+                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha)
     done = _saved_runs(folder, settings, resume)
     if done: settings['score_cost'] = json.loads((folder / 'comparison.json').read_text())['score_cost']   # the saved runs' cost
     if settings['score_cost'] is None: settings['score_cost'] = learner_score_cost(probe)
@@ -173,6 +260,10 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     seed_list, runs = range(seed, seed + seeds), []
     n_filters = sum(parse_method(s)[1] is not None for s in specs)   # each gets a random control; the rate controls are extra
     n_est = len(seed_list) * repeats * (len(specs) + (len(budget_specs(epochs, budgets)) + n_filters if controls else 0))
+    # in full-schedule fits: the methods and random controls at their own epochs, the shorter plain schedules at theirs
+    fits = len(seed_list) * repeats * (sum(_epochs_of(s, epochs) for s in specs) / epochs
+                                       + (_budget_share(epochs, budgets) + n_filters if controls else 0))
+    timed_first = []
     pbar = progress_bar(range(n_est), leave=False) if show_progress and not show_fits else None
     if pbar is not None: pbar.update(0)
     def run_all(todo:list, kind:str):
@@ -187,6 +278,9 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                         r = run_fit(make_learner, s, epochs=epochs, lr=lr, seed=sd, fit=fit, metric=metric, sign=sign,
                                     evals_per_epoch=evals_per_epoch, check=check, show_progress=show_fits, diag=diag, cbs=cbs)
                         runs.append(add_work(r | dict(seed=sd, repeat=rep), settings['score_cost']))
+                        if not timed_first:   # the first fit trained here: what the rest will take
+                            timed_first.append(r['wall_s'] * epochs / _epochs_of(s, epochs))
+                            print(estimate_text(timed_first[0], fits * (1 - len(done) / max(n_est, 1)) - _epochs_of(s, epochs) / epochs, len(done)))
                         if folder is not None:
                             with open(folder / 'runs.jsonl', 'a') as f: f.write(json.dumps(runs[-1]) + '\n')
                     if pbar is not None:
@@ -198,6 +292,4 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
         control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs)) if c])}
         run_all(budget_runs + [c for c in control_specs(control_of) if c not in specs], 'control')
     if pbar is not None: pbar.total = len(runs); pbar.update(len(runs))
-    rows, tgt = summarise(runs, None if target is None else sign * target, target_drop)
-    add_verdicts(rows, budget_runs, control_of, seeds, tgt, runs=runs)
-    return Comparison(runs, rows, tgt, budget_runs, control_of, settings)
+    return judge(runs, budget_runs, control_of, settings, None if target is None else sign * target, target_drop)

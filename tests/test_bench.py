@@ -50,7 +50,7 @@ def test_pngs_written_and_nonempty(small_run):
 def test_table_has_the_columns(small_run):
     _, res = small_run
     lines = format_table(res['summary']).splitlines()
-    assert lines[0].split() == [k for k, _ in _cols]
+    assert lines[0].split() == [k + '90' if k.endswith('_ci') else k for k, _ in _cols]   # the intervals' level in their name
     assert len(lines) == 7 and lines[1].split()[0] == 'baseline'
 
 def test_time_to_target_and_speedups():
@@ -181,9 +181,12 @@ def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
         for k in ('train_s', 'target_x', 'total_x', 'work', 'work_x', 'work_total_x', 'vs_best_plain_x', 'vs_best_plain_work_x',
                   'final_accuracy', 'final_accuracy_spread', 'mean_samp_perc'): assert k in r, k
         assert r['repeats'] == 2                                           # one run per seed
-        assert r['vs_random']['control'] == ctl[m][0] and r['vs_random']['verdict'] in ('beats', 'loses', 'no difference')
-        assert math.isclose(r['vs_random']['diff'], r['final_accuracy'] - by[ctl[m][0]]['final_accuracy'])
-        if 'vs_budget' in r: assert r['vs_budget']['verdict'] in ('beats', 'loses', 'no difference')
+        assert r['vs_random']['control'] == ctl[m][0] and r['vs_random']['verdict'] in ('beats', 'loses', 'no difference shown')
+        mine = {x['seed']: x['final_accuracy'] for x in saved['runs'] if x['method'] == m}   # paired by seed: the mean difference
+        rand = {x['seed']: x['final_accuracy'] for x in saved['runs'] if x['method'] == ctl[m][0]}
+        assert math.isclose(r['vs_random']['diff'], sum(mine[s] - rand[s] for s in mine) / 2) and r['vs_random']['n'] == 2
+        if 'vs_budget' in r: assert r['vs_budget']['verdict'] in ('beats', 'loses', 'no difference shown')
+        assert r['alpha'] == .05 and r['seeds'] == 2
     # the random controls kept the share their method kept
     keep = float(ctl['stale'][0].split('keep=')[1].split(',')[0])
     assert by[ctl['stale'][0]]['mean_samp_perc'] < 1 and 0 < keep < 1
@@ -192,9 +195,15 @@ def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     assert (out / 'accuracy_vs_budget.png').stat().st_size > 10_000
 
 def test_verdict_rule():
-    from loss_filters.verdicts import _verdict, _interp
-    assert _verdict(.004, .003, 3)['verdict'] == 'beats' and _verdict(-.004, .003, 3)['verdict'] == 'loses'
-    assert _verdict(.002, .003, 3)['verdict'] == 'no difference' and _verdict(.01, 0., 1)['verdict'] == 'beats (1 seed)'
+    "An accuracy verdict is a one-sided t test of the paired differences at its level; one seed gives none"
+    from loss_filters.verdicts import _acc_test, _interp
+    assert _acc_test([.004, .005, .003], .05)['verdict'] == 'beats' and _acc_test([-.004, -.005, -.003], .05)['verdict'] == 'loses'
+    assert _acc_test([.004, -.002, .003], .05)['verdict'] == 'no difference shown'
+    assert _acc_test([.01], .05)['verdict'] == 'no verdict (1 seed)' and _acc_test([None], .05) is None
+    # mean .02, sd .015 over 3 seeds: t = 2.31 on 2 degrees of freedom, p = .074: shown at 10%, not at 5%
+    v5, v10 = _acc_test([.005, .02, .035], .05), _acc_test([.005, .02, .035], .10)
+    assert v5['verdict'] == 'no difference shown' and v10['verdict'] == 'beats'
+    assert v5['level'] == pytest.approx(.9) and v10['level'] == pytest.approx(.8) and v5['lo'] < 0 < v10['lo']
     curve = [(10., .80, .01), (20., .90, .02)]
     assert _interp(curve, 5.) == (None, None) and _interp(curve, 15.) == (pytest.approx(.85), .02) and _interp(curve, 30.) == (.90, .02)
 
@@ -276,9 +285,10 @@ def test_paired_ratios_pair_each_run_with_its_own_seed_s_baseline():
             mk('stale', 0, 5., .5), mk('stale', 1, 16., .8), mk('stale', 2, 15., .5)]
     rows, _ = summarise(runs, target=.85)
     st = rows[1]
-    assert st['target_x'] == pytest.approx(2.) and st['target_x_spread'] == pytest.approx(.75)   # 2, 1.25, 2: not 20/15
-    assert st['work_x'] == pytest.approx(2.) and st['work_x_spread'] == pytest.approx(.75)
-    assert st['total_x'] == pytest.approx(2.)
+    gm = (2 * 1.25 * 2) ** (1 / 3)   # the geometric mean of the paired ratios 2, 1.25, 2: not 20/15
+    assert st['target_x'] == pytest.approx(gm) and st['target_x_spread'] == pytest.approx(.75)
+    assert st['work_x'] == pytest.approx(gm) and st['work_x_spread'] == pytest.approx(.75)
+    assert st['total_x'] == pytest.approx(gm) and st['work_x_test']['n'] == 3
 
 def test_cheapest_plain_schedule_interpolates_the_budget_curve():
     from loss_filters.bench import best_plain, add_verdicts
@@ -291,6 +301,7 @@ def test_cheapest_plain_schedule_interpolates_the_budget_curve():
     add_verdicts(rows, ['baseline:epochs=5', 'baseline:epochs=7'], {}, 3, target=.895)
     assert rows[3]['vs_best_plain_work_x'] == pytest.approx(8.5 / 6) and rows[3]['vs_best_plain_x'] == pytest.approx(85 / 45)
     assert rows[3]['vs_budget']['diff'] == pytest.approx(.90 - .8933333, abs=1e-6)   # on the work axis: between 7 and 10
+    assert rows[3]['vs_budget']['verdict'] == 'no verdict (no per-seed runs)'   # one row a method: nothing to test
     assert best_plain(rows, ['baseline:epochs=5'], .895) == dict(work=None, train_s=None)   # no plain schedule reaches it
 
 def test_rate_changing_methods_get_rate_matched_controls():
@@ -369,8 +380,9 @@ def test_a_seed_whose_plain_schedules_miss_the_target_counts_their_longest_cost_
     blf = next(r for r in rows if r['method'] == 'blf')
     # blf gets to .89 at 0.9 of work (interpolated between its checks); seed 0's cheapest plain schedule is where the budget curve
     # crosses .89, 1.8; seed 1's plain runs never get there, so its longest one's 2.0 stands in
-    assert blf['vs_best_plain_work_ci'] == pytest.approx((1.8 / .9, 2 / .9))
-    assert blf['vs_best_plain_work_x'] == pytest.approx((1.8 / .9 + 2 / .9) / 2)
+    assert blf['vs_best_plain_work_x'] == pytest.approx((1.8 / .9 * 2 / .9) ** .5)   # the geometric mean over the two seeds
+    lo, hi = blf['vs_best_plain_work_ci']   # a 90% t interval on 1 degree of freedom: far wider than the two ratios
+    assert lo < 1.8 / .9 and hi > 2 / .9 and blf['vs_best_plain_work_test']['n'] == 2
 
 def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
     kw = dict(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline blf:skip_epochs=0', score_cost=.3, n_train=600)

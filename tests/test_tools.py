@@ -48,3 +48,15 @@ def test_hide_and_stale_leaves_out_more_than_hiding_alone(digits):
     kept = lambda learn: [s['samp_perc'] for s in learn.loss_filter.epoch_stats[1:]]
     assert all(b < h for b, h in zip(kept(both), kept(hide)))
     assert both.loss_filter.weights is not None and (both.loss_filter.weights > 1).any()   # InfoBatch's up-weighting
+
+def test_saved_runs_are_read_gzipped(tmp_path, capsys):
+    "The run lines kept in `nbs/bench_runs/` are gzipped: the plateau plot and `load_comparison` read them as they are"
+    path = Path(__file__).resolve().parent.parent / 'tools' / 'plateau.py'
+    spec = importlib.util.spec_from_file_location('plateau', path)
+    plateau = importlib.util.module_from_spec(spec); spec.loader.exec_module(plateau)
+    runs_dir = Path(__file__).resolve().parent.parent / 'nbs' / 'bench_runs'
+    plateau.plot([runs_dir / 'plateau_aug.jsonl.gz'], tmp_path / 'p.png')
+    assert (tmp_path / 'p.png').stat().st_size > 1000 and 'plateau from' in capsys.readouterr().out
+    cmp = load_comparison(runs_dir / 'long_preset_runs.jsonl.gz')
+    assert cmp.settings['seeds'] == 3 and set(cmp.control_of) == {'blf', 'sb', 'stale', 'hide'}
+    assert all(' (3 seeds)' in l for l in cmp.payoffs())

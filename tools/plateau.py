@@ -7,7 +7,7 @@ several of these can run side by side (`--threads 1`).
     python tools/plateau.py --n_train 5000 --epochs 10 20 30 45 --seeds 0 1 --lr 3e-3 --augment --out bench_out/plateau.jsonl
     python tools/plateau.py --plot bench_out/plateau.jsonl --png nbs/images/bench_preset_plateau.png
 """
-import argparse, json, statistics, time
+import argparse, gzip, json, statistics, time
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,7 +48,8 @@ def group(rows):
 def plot(files, png):
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    rows = [json.loads(l) for f in files for l in Path(f).read_text().splitlines() if l.strip()]
+    read = lambda f: gzip.decompress(Path(f).read_bytes()).decode() if str(f).endswith('.gz') else Path(f).read_text()   # the saved lines are gzipped
+    rows = [json.loads(l) for f in files for l in read(f).splitlines() if l.strip()]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     mean_range = lambda rs: (statistics.fmean(r['final_accuracy'] for r in rs),
                              (max(r['final_accuracy'] for r in rs) - min(r['final_accuracy'] for r in rs)) / 2)

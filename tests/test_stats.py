@@ -1,0 +1,121 @@
+"The statistics of the verdicts: t intervals with their coverage, one-sided tests at their level, seed planning, by simulation"
+import math, statistics
+import numpy as np
+import pytest
+from loss_filters.stats import paired_test, shown, power, seeds_needed, simulate, TYPICAL_LOG_SD
+from loss_filters.verdicts import summarise, add_verdicts, payoff_line
+
+DRAWS = 4000
+
+def _mc_bound(p:float, draws:int=DRAWS) -> float: return p + 3 * math.sqrt(p * (1 - p) / draws)   # 3 Monte Carlo standard errors
+
+# the spreads of the log work ratio to training less measured on the benchmark presets: the smallest, the typical, the largest
+@pytest.mark.parametrize('sd', [.1, TYPICAL_LOG_SD, .2])
+@pytest.mark.parametrize('n', [2, 3, 5, 8])
+def test_no_effect_is_said_to_pay_at_most_at_the_stated_rate(n, sd):
+    for alpha in (.05, .1):
+        assert simulate(n, 0., sd, alpha, draws=DRAWS, seed=n) <= _mc_bound(alpha)
+
+@pytest.mark.parametrize('n', [3, 5, 8])
+def test_heavier_tails_than_normal_keep_the_rate(n):
+    assert simulate(n, 0., TYPICAL_LOG_SD, .05, draws=DRAWS, seed=10 + n, dist='t3') <= _mc_bound(.05)
+
+def test_the_rate_is_not_far_below_the_level_either():
+    "The test is exact for normal figures: close to 5%, not a test that never speaks"
+    share = simulate(5, 0., .15, .05, draws=DRAWS, seed=1)
+    assert abs(share - .05) < 3 * math.sqrt(.05 * .95 / DRAWS)
+
+@pytest.mark.parametrize('n', [2, 3, 5, 8])
+def test_power_of_a_true_saving_matches_the_simulation(n):
+    "A true 1.3x saving: how often it is found, by the noncentral t and by drawing"
+    found, p = simulate(n, math.log(1.3), TYPICAL_LOG_SD, draws=DRAWS, seed=20 + n), power(n, math.log(1.3), TYPICAL_LOG_SD)
+    assert abs(found - p) < 4 * math.sqrt(p * (1 - p) / DRAWS) + 1e-3
+    assert power(n + 1, math.log(1.3), TYPICAL_LOG_SD) > p
+
+def test_the_interval_has_its_coverage():
+    "The 90% interval of 3 normal log ratios holds the true ratio in 90% of draws; the range of the three in only 75%"
+    rng, true = np.random.default_rng(3), 1.2
+    ys = rng.normal(math.log(true), .15, (DRAWS, 3))
+    cover = [paired_test(list(np.exp(y)), ratio=True) for y in ys]
+    share = sum(t['lo'] <= true <= t['hi'] for t in cover) / DRAWS
+    in_range = sum(math.exp(y.min()) <= true <= math.exp(y.max()) for y in ys) / DRAWS
+    assert abs(share - .9) < 3 * math.sqrt(.09 / DRAWS) and abs(in_range - .75) < .03
+
+def test_interval_by_hand():
+    "Student's t on the log ratios, at 1 - 2*alpha, about the geometric mean"
+    xs = [1.1, 1.3, 1.2]
+    ys = [math.log(x) for x in xs]
+    m, s = statistics.fmean(ys), statistics.stdev(ys)
+    t = paired_test(xs, alpha=.05, ratio=True)
+    assert t['est'] == pytest.approx(math.exp(m)) and t['level'] == pytest.approx(.9)
+    assert t['lo'] == pytest.approx(math.exp(m - 2.919986 * s / math.sqrt(3)), rel=1e-5)   # t(.95, 2 df) = 2.919986
+    assert t['hi'] == pytest.approx(math.exp(m + 2.919986 * s / math.sqrt(3)), rel=1e-5)
+    assert shown(t) == 'above' and t['p_above'] < .05
+
+def test_one_seed_has_no_interval_and_no_verdict():
+    t = paired_test([1.5], ratio=True)
+    assert t['lo'] is None and t['p_above'] is None and shown(t) is None
+    with pytest.raises(ValueError, match='ratios must be > 0'): paired_test([1., 0.], ratio=True)
+    with pytest.raises(ValueError, match=r'`alpha` must be in \(0, 0.5\)'): paired_test([1., 2.], alpha=0)
+
+def test_seeds_needed_is_the_first_count_with_the_power():
+    k = seeds_needed(math.log(1.3), .15, .05, .8)
+    assert power(k, math.log(1.3), .15) >= .8 > power(k - 1, math.log(1.3), .15)
+    assert seeds_needed(0., .15) is None and seeds_needed(math.log(1.01), .3, max_n=20) is None
+    assert seeds_needed(math.log(1.3), .15, alpha=.01) > k   # a stricter level needs more seeds
+
+# ------------------------------------------------------------------ the verdict lines built on them
+def _run(m, seed, accs, work_per_check=1.):
+    hist = [dict(train_s=10. * (i + 1), accuracy=a, work=work_per_check * (i + 1)) for i, a in enumerate(accs)]
+    return dict(method=m, seed=seed, repeat=0, epochs=len(accs), train_s=hist[-1]['train_s'], wall_s=hist[-1]['train_s'],
+                final_accuracy=accs[-1], mean_samp_perc=1. if m.startswith('baseline') else .7, work=hist[-1]['work'], lr_mult=1., history=hist)
+
+def _judged(ratios, alpha=.05, final=(.8, .85, .9)):
+    "A method whose work to the target is the cheapest plain schedule's over `ratios`, seed by seed"
+    runs = []
+    for s, x in enumerate(ratios):
+        runs += [_run('baseline', s, [.7, .8, .9]), _run('baseline:epochs=2', s, [.75, .85]), _run('stale', s, list(final), 1 / x),
+                 _run('random:keep=.5', s, [.8, .85, .89], 1 / x)]
+    rows, target = summarise(runs, target=.9, alpha=alpha)
+    add_verdicts(rows, ['baseline:epochs=2'], {'stale': ['random:keep=.5']}, len(ratios), target, runs=runs, alpha=alpha)
+    return next(r for r in rows if r['method'] == 'stale')
+
+def test_payoff_line_states_level_and_seeds():
+    r = _judged([1.3, 1.35, 1.28, 1.32, 1.31])
+    line = payoff_line(r, True)
+    assert line.startswith('stale: pays at 5% (5 seeds): 1.31x less work to the target than the cheapest plain schedule') and '90% CI' in line
+    assert 'and it ends more accurate than random choice at its share' in line   # .9 against .89 in every seed
+    assert payoff_line(_judged([1.3, 1.35, 1.28, 1.32, 1.31], alpha=.1), True).startswith('stale: pays at 10% (5 seeds)')
+
+def test_too_few_seeds_say_how_many_would():
+    r = _judged([1.1, 1.45, 1.2])
+    t = r['vs_best_plain_work_test']
+    k = seeds_needed(math.log(r['vs_best_plain_work_x']), t['sd'])
+    line = payoff_line(r, True)
+    assert shown(t) == 'not shown' and k > 3
+    assert line.startswith('stale: no gain shown at 5% (3 seeds)') and f'3 seeds cannot show a gain of this size at this spread: run {k}' in line
+    one = payoff_line(_judged([1.3]), True)
+    assert one.startswith('stale: no verdict from 1 seed') and f'run {seeds_needed(math.log(1.3), TYPICAL_LOG_SD)} or more' in one
+
+def test_a_loss_is_said_at_its_level():
+    line = payoff_line(_judged([.8, .82, .79]), True)
+    assert line.startswith('stale: does not pay at 5% (3 seeds): 0.80x') and 'gets to the target with less work' in line
+
+def test_equal_work_verdict_does_not_use_the_target():
+    "Seed by seed, the final value against the same seed's plain curve at the method's work: moving the target leaves it alone"
+    ratios = [1.1, 1.45, 1.2]
+    a, b = _judged(ratios), _judged(ratios, final=(.8, .85, .9))
+    expected = statistics.fmean(.9 - (.85 + .05 * (3 / x - 2)) for x in ratios)
+    assert a['vs_budget']['diff'] == pytest.approx(expected) and a['vs_budget']['verdict'] == 'beats'
+    runs = []
+    for s, x in enumerate(ratios):
+        runs += [_run('baseline', s, [.7, .8, .9]), _run('baseline:epochs=2', s, [.75, .85]), _run('stale', s, [.8, .85, .9], 1 / x)]
+    rows, target = summarise(runs, target=.95)   # a target nothing reaches
+    add_verdicts(rows, ['baseline:epochs=2'], {}, 3, target, runs=runs)
+    assert next(r for r in rows if r['method'] == 'stale')['vs_budget']['diff'] == pytest.approx(expected)
+
+def test_holds_is_a_non_inferiority_test():
+    "No worse than the plain model by more than the margin, shown at the level: equal accuracy in every seed holds, a spread one does not"
+    assert _judged([1.3, 1.3, 1.3])['vs_plain']['holds'] is True
+    r = _judged([1.3, 1.3, 1.3], final=(.8, .85, .897))   # 0.3 points below in every seed: beyond the 0.2 point margin
+    assert r['vs_plain']['holds'] is False and r['vs_plain']['verdict'] == 'loses'
