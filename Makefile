@@ -35,7 +35,7 @@ nbtest: install
 # The library does not pin fastai: run the pytest suite against the newest release too.
 $(VENV_LATEST)/.installed: setup.py settings.ini
 	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
-	$(VENV_LATEST)/bin/python -m pip install -q -U -e '.[distributed]' fastai pytest hypothesis scikit-learn matplotlib
+	$(VENV_LATEST)/bin/python -m pip install -q -U -e '.[distributed,grad]' fastai pytest hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
 	touch $@
 
 test-latest: $(VENV_LATEST)/.installed

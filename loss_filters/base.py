@@ -43,7 +43,7 @@ class LossFilterBase(Callback):
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
     _stateattrs = ('gen',)   # not pickled: old torch cannot pickle a generator, and a CUDA one would not load on the CPU
 
-    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_loss_checked'))
+    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_loss_checked', 'step_idxs'))
     def __setattr__(self, name, value):
         "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
         if name in self._hot: self.__dict__[name] = value
@@ -239,14 +239,21 @@ class LossFilterBase(Callback):
         axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
         return axs[0].figure
 
+    def probe(self):
+        "The Learner's `GradientProbeCallback` when it has probed batches (its panels join the diagnostics), else None"
+        p = getattr(self.learn, 'probe', None) if self.learn is not None else None
+        return p if p is not None and len(getattr(p, 'stats', ())) else None
+
     def plot_diagnostics(self):
-        "Samples kept and score share kept per batch, and the score histogram heat maps, in one figure"
+        "Samples kept and score share kept per batch, and the score histogram heat maps, in one figure; the gradient probe's panels below when there is one"
         import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=(15, 7), layout='constrained')
-        top, bottom = fig.subfigures(2, 1)
-        a, b = top.subplots(1, 2)
+        probe = self.probe()
+        fig = plt.figure(figsize=(15, 10.5 if probe else 7), layout='constrained')
+        rows = fig.subfigures(3 if probe else 2, 1)
+        a, b = rows[0].subplots(1, 2)
         self.plot_kept(a); self.plot_loss_share(b)
-        self.plot_score_hist(bottom.subplots(1, 2, sharey=True))
+        self.plot_score_hist(rows[1].subplots(1, 2, sharey=True))
+        if probe: probe.plot_probe(rows[2].subplots(1, 4))
         fig.suptitle(type(self).__name__)
         return fig
 

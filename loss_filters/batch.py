@@ -155,8 +155,10 @@ class LossFilterCallback(LossFilterBase):
         idxs = self._selected(bs) if self.is_active() else None
         if idxs is None: self.n_kept += bs
         self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
+        # the rows of the batch this step trains on (None: all of them, or a pooled batch of other rows): `GradientProbeCallback` reads it
+        self.step_idxs = idxs if not self.fill_batch and idxs is not None and len(idxs) < bs else None
         if self.fill_batch: self._fill(idxs)
-        elif idxs is not None and len(idxs) < bs: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
+        elif self.step_idxs is not None: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
 
     def _selected(self, bs:int) -> Tensor:
         "The batch's kept indices, at least two, in the batch's own order (a `SortedDL` batch stays sorted), recorded"

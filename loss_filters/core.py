@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #08d2c3b2
 from __future__ import annotations
-import functools, inspect, math, numbers
+import functools, inspect, math, numbers, warnings
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -15,7 +15,7 @@ __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample
            'select_by_loss_share', 'at_least_two', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate',
            'prune_at_random', 'select_at_random', 'reweighted_loss', 'plain', 'map_batch', 'take', 'frozen_norm_stats',
            'downsample', 'score_examples', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum',
-           'own_generator']
+           'own_generator', 'per_example_gramian', 'gram_norm', 'gram_cos', 'directional_derivatives', 'step_alpha']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -454,3 +454,141 @@ def own_generator(device=None) -> torch.Generator:
     with torch.random.fork_rng(devices=[]): seed = torch.randint(2**62, (), dtype=torch.int64)
     seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))
     return torch.Generator(device=device or 'cpu').manual_seed(seed)
+
+# %% ../nbs/00_core.ipynb #ea40e7be
+def _engine(modules:list, batched:bool):
+    try: from torchjd.autogram import Engine
+    except ImportError as e:
+        raise ImportError("per_example_gramian needs torchjd (Python 3.10+): pip install 'loss_filters[grad]', or pip install torchjd") from e
+    return Engine(*modules, batch_dim=0 if batched else None)
+
+def _has_norm(modules:list) -> bool: return any(isinstance(m, nn.modules.batchnorm._NormBase) for mod in modules for m in mod.modules())
+
+def _batched_ok(modules:list) -> bool:
+    "Whether torchjd's fast batched mode takes these modules: no norm layer and no recurrent layer among them"
+    return not any(isinstance(m, (nn.modules.batchnorm._NormBase, nn.RNNBase)) for mod in modules for m in mod.modules())
+
+class _EvalNorm(nn.Module):
+    "A BatchNorm layer as eval mode computes it, per example from its running statistics, with the layer's own weight and bias"
+    def __init__(self, bn:nn.Module):
+        super().__init__()
+        self.weight, self.bias, self.stats = bn.weight, bn.bias, (bn.running_mean, bn.running_var, bn.eps)
+    def forward(self, x):
+        mean, var, eps = self.stats
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        y = (x - mean.view(shape)) * (var.view(shape) + eps).rsqrt()
+        if self.weight is not None: y = y * self.weight.view(shape)
+        return y if self.bias is None else y + self.bias.view(shape)
+
+@contextmanager
+def _measurable(model:nn.Module, train:bool):
+    "In eval mode, each BatchNorm layer with running statistics as `_EvalNorm` for the block, which torchjd's fast batched mode takes: `{layer: its stand-in}`"
+    swaps = [] if train else [(p, k, c) for p in model.modules() for k, c in p.named_children()
+                              if isinstance(c, nn.modules.batchnorm._BatchNorm) and c.running_mean is not None]
+    try:
+        new = {c: _EvalNorm(c) for _, _, c in swaps}
+        for p, k, c in swaps: setattr(p, k, new[c])
+        yield new
+    finally:
+        for p, k, c in swaps: setattr(p, k, c)
+
+@contextmanager
+def _mode(model:nn.Module, train:bool):
+    "The model in training or eval mode for a measurement, its modes, running statistics and torch's random state put back after"
+    modes = [(m, m.training) for m in model.modules()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        model.train(train)
+        try:
+            with frozen_norm_stats(model): yield
+        finally:
+            for m, t in modes: m.training = t
+
+@contextmanager
+def _same_tensors(model:nn.Module):
+    "Put back every module's own parameter and buffer objects after the block: `functional_call` can leave a new object behind for a module reached by two paths (fastai's AWD_LSTM shares its embedding), and an optimizer holding the old one would train a parameter the model no longer uses"
+    held = [(m, k, t) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()]
+    try: yield
+    finally:
+        for m, k, t in held:
+            if (m._parameters.get(k) if k in m._parameters else m._buffers.get(k)) is not t: setattr(m, k, t)
+
+def per_example_gramian(model:nn.Module, # the model
+                        xb:tuple, # the batch's inputs
+                        yb:tuple, # the batch's targets
+                        loss_func, # a loss `per_sample_loss` accepts
+                        modules:list|None=None, # the Gramian over these modules' parameters only (e.g. `[model[-1]]`, the head); default the whole model
+                        train:bool=False, # run the model in training mode (see above); default eval mode, where each loss depends on its own example only
+                        after_pred=None, # a function of the prediction, applied before the loss
+                        return_losses:bool=False # also return the per-example losses of the same pass: `(G, losses)`
+                       ) -> Tensor|tuple:
+    "The `B x B` Gramian `G[i, j] = ∇ℓᵢ·∇ℓⱼ` of the batch's per-example losses over the trainable parameters of `modules`"
+    mods = [model] if modules is None else list(modules)
+    with _mode(model, train), _measurable(model, train) as swapped:
+        mods = [swapped.get(m, m) for m in mods]
+        batched = _batched_ok(mods) and not (train and _has_norm([model]))   # a norm layer in training mode ties the examples together
+        engine = _engine(mods, batched=batched)
+        try:
+            pred = model(*plain(tuple(xb)))
+            if after_pred is not None: pred = after_pred(pred)
+            losses = per_sample_loss(loss_func, plain(pred), *plain(tuple(yb)))
+            G = engine.compute_gramian(losses).detach()
+            return (G, losses.detach().float()) if return_losses else G
+        finally: del engine   # its hooks go with it
+
+def gram_norm(G:Tensor, u:Tensor) -> Tensor:
+    "The norm of the weighted gradient `Σuᵢ∇ℓᵢ`, from the Gramian `G`"
+    u = u.to(G.dtype)
+    return (u @ G @ u).clamp_min(0).sqrt()
+
+def gram_cos(G:Tensor, u:Tensor, v:Tensor) -> Tensor:
+    "The cosine between the weighted gradients `Σuᵢ∇ℓᵢ` and `Σvᵢ∇ℓᵢ`, from the Gramian `G` (0 where either is zero)"
+    u, v = u.to(G.dtype), v.to(G.dtype)
+    den = gram_norm(G, u) * gram_norm(G, v)
+    return torch.where(den > 0, (u @ G @ v) / den.clamp_min(torch.finfo(G.dtype).tiny), torch.zeros_like(den))
+
+# %% ../nbs/00_core.ipynb #94da2d0d
+def directional_derivatives(model:nn.Module, # the model
+                            xb:tuple, # the batch's inputs
+                            yb:tuple, # the batch's targets
+                            loss_func, # a loss `per_sample_loss` accepts
+                            direction:dict, # a tangent per parameter name (`model.named_parameters()`), e.g. a step's change
+                            params:dict|None=None, # parameter values to evaluate at (a snapshot); default the model's own
+                            train:bool=False, # the model's mode for the pass, as in `per_example_gramian`
+                            after_pred=None # a function of the prediction, applied before the loss
+                           ) -> tuple:
+    "Per-example losses `ℓᵢ` and their derivatives `∇ℓᵢ·d` along `direction`, from one forward-mode pass that leaves no trace: `(losses, derivatives)`"
+    from torch.func import functional_call, jvp
+    named = dict(model.named_parameters())
+    at = {k: (named[k] if params is None else params[k]).detach() for k in direction}
+    tangent = {k: direction[k].detach().to(at[k].dtype) for k in direction}
+    def losses(p):
+        pred = functional_call(model, p, plain(tuple(xb)), strict=False)
+        if after_pred is not None: pred = after_pred(pred)
+        return per_sample_loss(loss_func, plain(pred), *plain(tuple(yb))).float()
+    with _mode(model, train), _same_tensors(model):
+        try: l, d = jvp(losses, (at,), (tangent,))
+        except NotImplementedError:   # a fused kernel without forward-mode AD (oneDNN's or cuDNN's RNN): the plain kernels have it
+            with warnings.catch_warnings(), torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):
+                warnings.simplefilter('ignore')
+                l, d = jvp(losses, (at,), (tangent,))
+    return l.detach(), d.detach()
+
+# %% ../nbs/00_core.ipynb #8a291b56
+def step_alpha(t:float, # the step's length, ‖d‖
+               f:tuple, # the mean loss at the start and at the end
+               var_f:tuple, # the variance over the examples of the losses, at the start and at the end
+               df:tuple, # the mean derivative along d/‖d‖, at the start and at the end
+               var_df:tuple # the variance over the examples of those derivatives, at the start and at the end
+              ) -> float|None:
+    "cockpit's α: the step's length relative to the minimum of a noise-aware quadratic fit along it (−1: no move, 0: the minimum, 1: the other side)"
+    import numpy as np
+    if t == 0: return -1.
+    phi = np.array([[1., 0., 0.], [1., t, t * t], [0., 1., 0.], [0., 1., 2 * t]])   # rows: q(0), q(t), q'(0), q'(t)
+    w = 1 / np.array([max(float(v), 1e-10) for v in (*var_f, *var_df)])
+    obs = np.array([*map(float, f), *map(float, df)])
+    try: c = np.linalg.solve(phi.T @ (w[:, None] * phi), phi.T @ (w * obs))
+    except np.linalg.LinAlgError: return None
+    if c[2] < 0: return -1.
+    if c[1] == 0: return None
+    return float(-2 * t * c[2] / c[1] - 1)

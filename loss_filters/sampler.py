@@ -194,6 +194,10 @@ class SamplerPruningCallback(LossFilterBase):
         "The dataset indices of the examples in this training step, in the batch's order"
         return self.rank_order[self._starts[self.iter]:self._starts[self.iter + 1]]
 
+    def step_weights(self) -> Tensor|None:
+        "The loss weights of this training step's examples, in the batch's order; None when every example weighs 1"
+        return None if self.weights is None else self.weights[self._step_idx()]
+
     def after_loss(self):
         idx = self._step_idx()
         pred, yb = plain(self.learn.pred), plain(self.learn.yb)   # no fastai type dispatch in the bookkeeping
@@ -294,8 +298,12 @@ class SamplerPruningCallback(LossFilterBase):
     def plot_diagnostics(self):
         "The share trained per epoch, the stale scores kept and left out, and the learning rate per step, in one figure"
         import matplotlib.pyplot as plt
-        fig, axs = plt.subplots(1, 3, figsize=(15, 3.8), layout='constrained')
+        probe = self.probe()
+        fig = plt.figure(figsize=(15, 7.6 if probe else 3.8), layout='constrained')
+        rows = fig.subfigures(2, 1) if probe else [fig]
+        axs = rows[0].subplots(1, 3)
         self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
+        if probe: probe.plot_probe(rows[1].subplots(1, 4))
         fig.suptitle(type(self).__name__)
         return fig
 

@@ -62,7 +62,8 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002, alpha:f
         for k in ('train_s', 'wall_s', 'target_s', 'final_accuracy', 'mean_samp_perc', 'work', 'work_to_target', 'lr_mult'):
             row[k], row[k + '_spread'] = _med([r.get(k) for r in rs])
         for k in _paired: row[k], row[k + '_spread'] = _gmean([r.get(k) for r in rs])
-        row['work_x_test'] = paired_test(per_seed([(r.get('seed'), r.get('work_x')) for r in rs]), alpha, ratio=True)
+        wx = per_seed([(r.get('seed'), r.get('work_x')) for r in rs])   # a seed that misses the target: no test over the others alone
+        row['work_x_test'] = paired_test(wx, alpha, ratio=True) if None not in wx else None
         row['work_x_ci'] = _ci(row['work_x_test'])
         row['reached'] = sum(r['target_s'] is not None for r in rs)
         row['never_filtered'] = parse_method(m)[1] is not None and all(r['mean_samp_perc'] >= 1 for r in rs)
@@ -175,7 +176,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         if best is not None:
             if runs:
                 w, t = _vs_best_plain_by_seed(r, runs, plain, target)
-                r['vs_best_plain_work_test'] = paired_test(w, alpha, ratio=True)
+                r['vs_best_plain_work_test'] = paired_test(w, alpha, ratio=True) if None not in w else None
                 r['vs_best_plain_work_x'] = _gmean(w)[0] if None not in w else None
                 r['vs_best_plain_x'] = _gmean(t)[0] if None not in t else None
                 r['vs_best_plain_work_ci'] = _ci(r['vs_best_plain_work_test']) if None not in w else None

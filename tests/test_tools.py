@@ -1,5 +1,6 @@
 "The experiments in `tools/`: the two combined filters train on what each of their parts would leave, and count their work."
 import importlib.util, sys
+import pytest
 from pathlib import Path
 import torch
 from fastai.basics import Callback, Learner, CrossEntropyLossFlat, accuracy, set_seed
@@ -60,3 +61,35 @@ def test_saved_runs_are_read_gzipped(tmp_path, capsys):
     cmp = load_comparison(runs_dir / 'long_preset_runs.jsonl.gz')
     assert cmp.settings['seeds'] == 3 and set(cmp.control_of) == {'blf', 'sb', 'stale', 'hide'}
     assert all(' (3 seeds)' in l for l in cmp.payoffs())
+
+def _gradmatch():
+    path = Path(__file__).resolve().parent.parent / 'tools' / 'gradmatch.py'
+    spec = importlib.util.spec_from_file_location('gradmatch', path)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+def test_gradient_matching_selection_by_hand():
+    "Four gradients (1,0), (0,1), (1,1), (-1,0) with mean (.25,.5): one example matches best with (1,1) at weight .375; two match exactly with (1,1) and (0,1) at .25 each"
+    gm = _gradmatch()
+    g = torch.tensor([[1., 0.], [0., 1.], [1., 1.], [-1., 0.]])
+    idx, w = gm.match_gradient(g @ g.T, 1)
+    assert idx.tolist() == [2] and w.tolist() == [pytest.approx(.375)]
+    idx, w = gm.match_gradient(g @ g.T, 2)
+    assert idx.tolist() == [2, 1] and w.tolist() == [pytest.approx(.25, abs=1e-6), pytest.approx(.25, abs=1e-6)]
+    assert torch.allclose((w[:, None] * g[idx]).sum(0), g.mean(0), atol=1e-6)   # the batch's mean gradient, exactly
+
+def test_the_heads_gramian_in_closed_form_equals_autograd():
+    gm = _gradmatch()
+    torch.manual_seed(0)
+    head, h, y = torch.nn.Linear(5, 3), torch.randn(6, 5), torch.randint(0, 3, (6,))
+    rows = [torch.cat([t.flatten() for t in torch.autograd.grad(torch.nn.functional.cross_entropy(head(h[i:i + 1]), y[i:i + 1]), list(head.parameters()))])
+            for i in range(6)]
+    J = torch.stack(rows)
+    assert torch.allclose(gm.head_gramian(h, head(h).detach(), y), J @ J.T, atol=1e-5)
+
+def test_the_gradient_matching_filter_trains_a_weighted_subset(digits):
+    gm = _gradmatch()
+    learn, spy, _ = _fit(digits, gm.GradMatchCallback(keep=.25, skip_epochs=0), epochs=2)
+    sizes = [s for _, _, s in spy.sizes]
+    assert sizes and all(s == 16 for s in sizes)   # a quarter of each batch of 64
+    assert 0 < learn.loss_filter.epoch_stats[-1]['samp_perc'] < .3

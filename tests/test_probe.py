@@ -1,0 +1,236 @@
+"The gradient probe and the functions under it: the Gramian against brute force, subsets' cosines against real backward passes, cockpit's α against an exact quadratic and against cockpit, and fits left bit for bit as they were"
+import math, random, sys
+import numpy as np, pandas as pd, pytest, torch, torch.nn as nn, torch.nn.functional as F
+from fastai.basics import Learner, CrossEntropyLossFlat, accuracy, set_seed, SGD, Adam
+from loss_filters.all import *
+from loss_filters.core import per_example_gramian, gram_cos, gram_norm, directional_derivatives, step_alpha
+from loss_filters.probe import GradientProbeCallback
+from loss_filters.models import simple_cnn
+from conftest import make_dls, mlp, bn_mlp, bn_cnn, tabular_df
+
+def brute_jacobian(model, x, y, params):
+    "One backward pass per example, the model in eval mode: the rows of the per-example Jacobian"
+    was = model.training; model.eval()
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)])
+            for i in range(len(x))]
+    model.train(was)
+    return torch.stack(rows)
+
+def bench_cnn(): return simple_cnn(1, 10, widths=(8, 16))   # BatchNorm and in-place ReLU, as the benchmark's model
+
+@pytest.mark.parametrize('make,head', [(mlp, False), (bn_mlp, False), (bn_cnn, False), (bn_cnn, True), (bench_cnn, False)])
+def test_the_gramian_equals_brute_force_per_example_gradients(digits, make, head):
+    torch.manual_seed(0)
+    model = make()
+    x, y = digits[0][:24], digits[1][:24]
+    model(digits[0][100:164])   # running statistics away from their defaults
+    mods = [model[-1]] if head else None
+    params = list(model[-1].parameters()) if head else list(model.parameters())
+    G = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), modules=mods)
+    J = brute_jacobian(model, x, y, params)
+    assert torch.allclose(G, J @ J.T, atol=1e-4, rtol=1e-4)
+
+def test_the_gramian_of_a_recurrent_model_equals_brute_force():
+    "An LSTM, which torchjd's batched mode refuses: the general mode, exact"
+    class Rnn(nn.Module):
+        def __init__(self): super().__init__(); self.emb, self.rnn, self.head = nn.Embedding(12, 6), nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 3)
+        def forward(self, x): return self.head(self.rnn(self.emb(x))[0][:, -1])
+    torch.manual_seed(0)
+    model, x, y = Rnn(), torch.randint(0, 12, (10, 7)), torch.randint(0, 3, (10,))
+    G = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss())
+    J = brute_jacobian(model, x, y, list(model.parameters()))
+    assert torch.allclose(G, J @ J.T, atol=1e-4, rtol=1e-4)
+
+def test_a_subsets_cosine_from_the_gramian_equals_two_real_backward_passes(digits):
+    torch.manual_seed(0)
+    model, x, y = bn_mlp(), digits[0][:32], digits[1][:32]
+    model.eval()
+    G = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss())
+    grad = lambda idx: torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), list(model.parameters()))])
+    keep = torch.tensor([1, 4, 5, 9, 17, 30])
+    g_keep, g_all = grad(keep), grad(torch.arange(32))   # the subset's step and the batch's, each its own backward pass
+    u, v = torch.zeros(32), torch.full((32,), 1 / 32)
+    u[keep] = 1 / len(keep)
+    assert gram_cos(G, u, v).item() == pytest.approx(F.cosine_similarity(g_keep, g_all, dim=0).item(), abs=1e-5)
+    assert gram_norm(G, u).item() == pytest.approx(g_keep.norm().item(), rel=1e-4)
+
+def test_the_missing_extra_is_named(monkeypatch, digits):
+    monkeypatch.setitem(sys.modules, 'torchjd', None)   # as if torchjd were not installed
+    monkeypatch.setitem(sys.modules, 'torchjd.autogram', None)
+    with pytest.raises(ImportError, match=r"pip install 'loss_filters\[grad\]'"):
+        per_example_gramian(mlp(), (digits[0][:4],), (digits[1][:4],), nn.CrossEntropyLoss())
+
+# ------------------------------------------------------------------ α
+def test_alpha_on_an_exact_quadratic_is_known():
+    "Full-batch SGD on mean((w·xᵢ)²): the step from w to w(1 - 2·lr·mean(x²)) lands at α = 2·lr·mean(x²) - 1"
+    torch.manual_seed(0)
+    xs = torch.randn(64, 1)
+    m = xs.pow(2).mean().item()
+    for lr, want in ((.75 / m, .5), (.5 / m, 0.), (.25 / m, -.5)):
+        w = nn.Linear(1, 1, bias=False); nn.init.constant_(w.weight, 2.)
+        loss = lambda out, *_, reduction='mean': out.squeeze(1).pow(2).mean() if reduction == 'mean' else out.squeeze(1).pow(2)
+        before = {k: p.detach().clone() for k, p in w.named_parameters()}
+        opt = torch.optim.SGD(w.parameters(), lr=lr)
+        opt.zero_grad(); loss(w(xs)).backward(); opt.step()
+        d = {k: p.detach() - before[k] for k, p in w.named_parameters()}
+        t = math.sqrt(sum(float(v.pow(2).sum()) for v in d.values()))
+        unit = {k: v / t for k, v in d.items()}
+        l0, d0 = directional_derivatives(w, (xs,), (torch.zeros(64),), loss, unit, params=before)
+        l1, d1 = directional_derivatives(w, (xs,), (torch.zeros(64),), loss, unit)
+        a = step_alpha(t, (l0.mean(), l1.mean()), (l0.var(), l1.var()), (d0.mean(), d1.mean()), (d0.var(), d1.var()))
+        assert a == pytest.approx(want, abs=1e-4)
+
+class _Digits(torch.utils.data.Dataset):
+    def __init__(self, x, y): self.x, self.y = x, y
+    def __len__(self): return len(self.y)
+    def __getitem__(self, i): return self.x[i], self.y[i]
+
+def test_alpha_matches_cockpit_on_the_same_steps(digits):
+    "cockpit's own α (BackPACK's per-example gradients) and the probe's, step by step, on a small SGD model"
+    pytest.importorskip('backpack'); cockpit = pytest.importorskip('cockpit')
+    from backpack import extend
+    from cockpit import quantities
+    from cockpit.utils.schedules import linear
+    x, y = digits[0].flatten(1)[:256], digits[1][:256]
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 16), nn.Sigmoid(), nn.Linear(16, 10))
+    batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)]
+    # cockpit: α of every second step (the schedule marks the start steps)
+    model = extend(net()); lossf = extend(nn.CrossEntropyLoss()); each = nn.CrossEntropyLoss(reduction='none')
+    opt = torch.optim.SGD(model.parameters(), lr=.5)
+    alpha_q = quantities.Alpha(linear(2))
+    cp = cockpit.Cockpit(model.parameters(), quantities=[alpha_q])
+    for step, (xb, yb) in enumerate(batches):
+        opt.zero_grad()
+        out = model(xb); loss = lossf(out, yb); losses = each(out, yb)
+        with cp(step, info=dict(batch_size=len(yb), individual_losses=losses, loss=loss, optimizer=opt)):
+            loss.backward(create_graph=cp.create_graph(step))
+        opt.step()
+    theirs = {step: float(q['Alpha']) for step, q in cp.get_output().items() if q.get('Alpha') is not None}   # by step, then quantity
+    # the probe's functions on the same steps of the same model from the same weights
+    model2 = net(); opt2 = torch.optim.SGD(model2.parameters(), lr=.5)
+    mine = {}
+    for step in range(len(batches) - 1):
+        xb, yb = batches[step]
+        before = {k: p.detach().clone() for k, p in model2.named_parameters()}
+        opt2.zero_grad(); F.cross_entropy(model2(xb), yb).backward(); opt2.step()
+        d = {k: p.detach() - before[k] for k, p in model2.named_parameters()}
+        t = math.sqrt(sum(float(v.pow(2).sum()) for v in d.values()))
+        unit = {k: v / t for k, v in d.items()}
+        l0, d0 = directional_derivatives(model2, (xb,), (yb,), nn.CrossEntropyLoss(), unit, params=before)
+        l1, d1 = directional_derivatives(model2, batches[step + 1][:1], batches[step + 1][1:], nn.CrossEntropyLoss(), unit)
+        mine[step] = step_alpha(t, (l0.mean(), l1.mean()), (l0.var(), l1.var()), (d0.mean(), d1.mean()), (d0.var(), d1.var()))
+    assert theirs and set(theirs) <= set(mine)
+    for step, a in theirs.items(): assert mine[step] == pytest.approx(a, rel=1e-3, abs=1e-3), (step, a, mine[step])
+
+# ------------------------------------------------------------------ the callback
+def _fit(dls_fn, model_fn, *cbs, epochs=2, lr=1e-2, opt_func=Adam, fit='fit_one_cycle'):
+    set_seed(0)
+    learn = Learner(dls_fn(), model_fn(), loss_func=CrossEntropyLossFlat(), metrics=accuracy, opt_func=opt_func)
+    for cb in cbs: learn.add_cb(cb)
+    with learn.no_bar(), learn.no_logging(): getattr(learn, fit)(epochs, lr)
+    return learn
+
+def _state(learn): return {k: v.detach().clone() for k, v in learn.model.state_dict().items()}
+
+def _same(a, b): return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+@pytest.mark.parametrize('filt', [None, 'blf', 'stale', 'sb'])
+def test_the_probe_leaves_a_vision_fit_bit_for_bit_as_it_was(digits, filt):
+    "Weights and BatchNorm buffers, and torch's global random state after the fit, the same with and without the probe"
+    make = {None: None, 'blf': lambda: BatchLossFilterCallback(skip_epochs=0), 'stale': StaleLossPruningCallback,
+            'sb': lambda: SelectiveBackpropCallback(start=0, interrupt=0)}[filt]
+    cbs = (lambda: [make()] if make else [])
+    plain = _fit(lambda: make_dls(*digits, bs=64), bn_cnn, *cbs())
+    rng_plain = torch.get_rng_state()
+    probed = _fit(lambda: make_dls(*digits, bs=64), bn_cnn, *cbs(), GradientProbeCallback(every=3, n_random=4))
+    assert _same(_state(plain), _state(probed)) and torch.equal(rng_plain, torch.get_rng_state())
+    assert [list(v[:3]) for v in plain.recorder.values] == [list(v[:3]) for v in probed.recorder.values]   # losses and accuracy
+    stats = probed.probe.stats
+    assert len(stats) == math.ceil(probed.train_iter / 3)   # every third training step (a pruner's epochs have fewer) and all(-1 - 1e-6 <= r['grad_cos'] <= 1 + 1e-6 for r in stats)
+    if filt is None:
+        assert all(r['grad_cos'] == pytest.approx(1, abs=1e-6) and r['norm_ratio'] == pytest.approx(1, abs=1e-6) for r in stats)
+    if filt in ('blf', 'sb'): assert any(r['trained'] < r['bs'] for r in stats)
+
+def test_the_probe_leaves_a_tabular_fit_as_it_was():
+    from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize
+    df = tabular_df()
+    def run(*cbs):
+        set_seed(0)
+        dls = TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a', 'b'], y_names='y',
+                                         valid_idx=list(range(500, 600)), bs=64, device='cpu')
+        learn = tabular_learner(dls, layers=[16], n_out=2, metrics=accuracy, cbs=list(cbs))   # n_out: fastai's guess fails on pandas 3
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2)
+        return learn
+    plain, probed = run(), run(GradientProbeCallback(every=2))
+    assert _same(_state(plain), _state(probed)) and len(probed.probe.stats) > 0
+
+def test_the_probe_leaves_a_text_fit_as_it_was():
+    "AWD_LSTM with its `RNNRegularizer`, which reads the step's `raw_out` and `out`: the probe's passes must not replace them"
+    from fastai.text.all import TextDataLoaders, text_classifier_learner, AWD_LSTM
+    rng, words, rows = random.Random(0), 'the a film plot actor scene music story'.split(), []
+    for i in range(96):
+        toks = [rng.choice(words) for _ in range(rng.choice([3, 8, 20]))]
+        for _ in range(2): toks.insert(rng.randrange(len(toks) + 1), 'good' if i % 2 else 'bad')
+        rows.append((' '.join(toks), 'pos' if i % 2 else 'neg'))
+    df = pd.DataFrame(rows, columns=['text', 'label'])
+    def run(*cbs):
+        set_seed(0)
+        dls = TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=.25, seed=0, bs=16, device='cpu')
+        learn = text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=dict(emb_sz=16, n_hid=24, n_layers=1), drop_mult=.1,
+                                        metrics=accuracy, cbs=list(cbs))
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
+        return learn
+    plain = run()
+    probed = run(GradientProbeCallback(every=2, modules=None))
+    assert _same(_state(plain), _state(probed))
+    stats = probed.probe.stats
+    assert stats and all(r['alpha'] is not None for r in stats[:-1])
+
+def test_the_probes_columns_are_in_the_fit_table(digits):
+    learn = _fit(lambda: make_dls(*digits, bs=64), mlp, GradientProbeCallback(every=2), epochs=2)
+    names = list(learn.recorder.metric_names)
+    assert names[-5:] == ['grad_cos', 'rand_cos', 'norm_ratio', 'alpha', 'time']
+    learn.remove_cb(learn.probe)
+    assert 'gradient_probe_columns' not in [type(cb).__name__ for cb in learn.cbs] and not hasattr(learn, 'probe')
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert 'grad_cos' not in learn.recorder.metric_names
+
+def test_the_probe_on_a_pooled_step_compares_it_with_the_batch(digits):
+    "`fill_batch=True`: the step trains a pool of earlier batches' examples, so the Gramian covers both"
+    learn = _fit(lambda: make_dls(*digits, bs=64), mlp, BatchLossFilterCallback(skip_epochs=0, fill_batch=True),
+                 GradientProbeCallback(every=1, n_random=2), epochs=2)
+    stats = learn.probe.stats
+    assert stats and all(-1 - 1e-6 <= r['grad_cos'] <= 1 + 1e-6 for r in stats)
+
+def test_the_patch_and_bad_settings():
+    learn = Learner(make_dls(torch.randn(64, 4), torch.randint(0, 2, (64,))), mlp(4, 2), loss_func=CrossEntropyLossFlat())
+    assert learn.gradient_probe(every=7) is learn and learn.probe.every == 7
+    learn.gradient_probe(every=9)   # the patch again: the new probe replaces the first
+    assert learn.probe.every == 9 and sum(isinstance(cb, GradientProbeCallback) for cb in learn.cbs) == 1
+    with pytest.raises(ValueError, match='`every` must be an integer >= 1'): GradientProbeCallback(every=0)
+    with pytest.raises(ValueError, match='`n_random` must be an integer >= 1'): GradientProbeCallback(n_random=0)
+
+def test_directional_derivatives_keep_the_parameter_objects_of_a_shared_module():
+    "A module reached by two paths (AWD_LSTM's embedding and its dropout wrapper): the optimizer's parameter objects stay the model's"
+    emb = nn.Embedding(10, 4)
+    class Twice(nn.Module):
+        def __init__(self): super().__init__(); self.emb, self.again, self.head = emb, nn.ModuleList([emb]), nn.Linear(4, 3)
+        def forward(self, x): return self.head(self.again[0](x).mean(1))
+    model = Twice()
+    held = {k: p for k, p in model.named_parameters()}
+    x, y = torch.randint(0, 10, (6, 5)), torch.randint(0, 3, (6,))
+    l, d = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), {k: torch.ones_like(p) for k, p in held.items()})
+    assert all(p is held[k] for k, p in model.named_parameters()) and model.emb.weight is model.again[0].weight
+    assert l.shape == d.shape == (6,)
+
+@pytest.mark.parametrize('filt', ['blf', 'stale'])
+def test_a_filters_diagnostics_show_the_probes_panels(digits, filt):
+    import matplotlib; matplotlib.use('Agg')
+    make = dict(blf=lambda: BatchLossFilterCallback(skip_epochs=0), stale=StaleLossPruningCallback)[filt]
+    alone = _fit(lambda: make_dls(*digits, bs=64), mlp, make(), epochs=2).loss_filter.plot_diagnostics()
+    learn = _fit(lambda: make_dls(*digits, bs=64), mlp, make(), GradientProbeCallback(every=4), epochs=2)
+    fig = learn.loss_filter.plot_diagnostics()
+    assert len(fig.get_axes()) == len(alone.get_axes()) + 4
+    assert len(learn.probe.plot_probe().get_axes()) == 4
