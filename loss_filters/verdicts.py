@@ -107,7 +107,8 @@ def control_specs(control_of:dict) -> list:
 _WORDS = {'above': 'beats', 'below': 'loses', 'not shown': 'no difference shown', None: 'no verdict (1 seed)'}
 
 def _acc_test(diffs:list, alpha:float) -> dict|None:
-    "Paired differences of final value tested at `alpha`: the mean, its interval, the verdict word"
+    "Paired differences of final value tested at `alpha`: the mean, its interval, the verdict word; None where a seed has no difference (no test over the others alone)"
+    if None in diffs: return None
     t = paired_test(diffs, alpha)
     if t is None: return None
     return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)])
@@ -252,7 +253,8 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
     word, (x, t) = payoff_word(r, has_budgets), _payoff_test(r, has_budgets)
     if word == 'never filtered': return f"{m}: never filtered (the fit is too short for its schedule)"
     if word == 'misses the target':
-        return f"{m}: does not pay here: it reached the target in {r.get('reached', 0)} of {r.get('repeats', 1)} runs{tail}"
+        return (f"{m}: does not pay here: it reached the target in {r.get('reached', 0)} of {r.get('repeats', 1)} runs "
+                f"(no test at {_pct(a)} without its work to the target in every seed){tail}")
     if word == 'no work to compare': return f"{m}: no verdict: no work to the target to compare"
     if word == 'no verdict (1 seed)':   # no spread, so no level can be reached whatever the result
         k = seeds_needed(math.log(x), TYPICAL_LOG_SD, a) if x > 1 else None

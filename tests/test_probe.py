@@ -234,3 +234,12 @@ def test_a_filters_diagnostics_show_the_probes_panels(digits, filt):
     fig = learn.loss_filter.plot_diagnostics()
     assert len(fig.get_axes()) == len(alone.get_axes()) + 4
     assert len(learn.probe.plot_probe().get_axes()) == 4
+
+def test_the_probe_refuses_several_processes(digits, monkeypatch):
+    "Each rank trains its own part of the batch: the probe says so before any step instead of measuring a part"
+    import loss_filters.probe as probe_mod
+    monkeypatch.setattr(probe_mod, 'dist_world', lambda: (0, 2))
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat(), cbs=[GradientProbeCallback()])
+    with pytest.raises(ValueError, match='cannot run with several processes'):
+        with learn.no_bar(), learn.no_logging(): learn.fit(1)
