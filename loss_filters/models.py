@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn, Tensor
 from fastai.torch_core import Module
+from fastai.layers import ConvLayer
 
 # %% auto #0
-__all__ = ['conv', 'WideBlock', 'wrn_channels', 'wide_group', 'WideResNet', 'wrn_n_params', 'simple_cnn', 'simple_mlp']
+__all__ = ['conv', 'WideBlock', 'wrn_channels', 'wide_group', 'WideResNet', 'wrn_n_params', 'simple_cnn', 'simple_mlp', 'resnet9']
 
 # %% ../nbs/04_models.ipynb #8411b0e9
 def conv(ni:int, # input channels
@@ -97,3 +98,19 @@ def simple_mlp(n_in:int=784, # input features (pixels of a flattened image)
     ws = (n_in, *widths)
     return nn.Sequential(nn.Flatten(), *[nn.Sequential(nn.Linear(a, b), nn.ReLU(inplace=True)) for a, b in zip(ws, ws[1:])],
                          nn.Linear(ws[-1], n_out))
+
+# %% ../nbs/04_models.ipynb #8dd49ebe
+class _Residual(nn.Module):
+    "`x + f(x)`"
+    def __init__(self, *layers): super().__init__(); self.f = nn.Sequential(*layers)
+    def forward(self, x): return x + self.f(x)
+
+def resnet9(n_in:int=3, # input channels
+            n_out:int=10, # classes
+            widths:tuple=(64, 128, 256, 512) # channels of the preparation layer and the three stages
+           ) -> nn.Sequential:
+    "The ResNet-9 of the fast-CIFAR10 benchmarks: a preparation convolution, three stages (the first and last with a residual pair), max pooling and a linear head"
+    a, b, c, d = widths
+    stage = lambda ni, nf, res: [ConvLayer(ni, nf), nn.MaxPool2d(2)] + ([_Residual(ConvLayer(nf, nf), ConvLayer(nf, nf))] if res else [])
+    return nn.Sequential(ConvLayer(n_in, a), *stage(a, b, True), *stage(b, c, False), *stage(c, d, True),
+                         nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(d, n_out))
