@@ -82,11 +82,17 @@ class GradMatchCallback(LossFilterCallback):
         self._gm_w[idxs.to(scores.device)] = w.to(scores.device)
         return idxs.to(scores.device)
 
+    def step_weights(self):
+        "The loss weights of the examples this step trains, in their order (the step's loss is `Σwᵢℓᵢ / k`); None for an unfiltered step"
+        if self.step_idxs is None or self._gm_w is None: return None
+        w = self._gm_w[self.step_idxs]
+        return w * len(w)
+
     def after_loss(self):
-        if self.step_idxs is not None and self._gm_w is not None:   # the kept examples' weights, in the order they train
-            w = self._gm_w[self.step_idxs]
+        w = self.step_weights()
+        if w is not None:
             losses = per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
-            self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, w * len(w))   # `Σ wᵢℓᵢ` with a mean loss
+            self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, w)   # `Σ wᵢℓᵢ / k` with a mean loss: the matched gradient
         super().after_loss()
 
 
