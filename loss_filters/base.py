@@ -18,7 +18,7 @@ from fastai.data.load import DataLoader
 from .core import *
 
 # %% auto #0
-__all__ = ['unwrapped_loader', 'orders_own_batches', 'LossFilterBase', 'LossFilterColumns', 'warn_no_op']
+__all__ = ['unwrapped_loader', 'orders_own_batches', 'LossFilterBase', 'FitColumns', 'LossFilterColumns', 'warn_no_op']
 
 # %% ../nbs/00a_base.ipynb #cc9e58d1
 def unwrapped_loader(dl):
@@ -258,14 +258,20 @@ class LossFilterBase(Callback):
         return fig
 
 # %% ../nbs/00a_base.ipynb #b76897f0
-class LossFilterColumns(Callback):
-    "The filter's columns in the fit table: named after the `Recorder` names its own, filled after validation"
-    order,name = Recorder.order+1,'loss_filter_columns'
-    names = ('samp_perc', 'loss_perc', 'full_train_loss')
-    def __init__(self, filt:LossFilterBase): self.filt = filt
+class FitColumns(Callback):
+    "Columns of an `owner` callback in the fit table, after the `Recorder`'s own: named when the fit starts, filled after each validation"
+    order = Recorder.order+1   # after the Recorder has named its own columns
+    names = ()                 # the columns
+    def __init__(self, owner:Callback): self.owner = owner
+    def trained(self) -> bool:
+        "Whether the owner has trained in this fit"
+        raise NotImplementedError
+    def values(self) -> list:
+        "This epoch's values of the columns"
+        raise NotImplementedError
 
     def before_fit(self):
-        self.shown = self.filt.run and hasattr(self.learn, 'recorder')
+        self.shown = self.owner.run and hasattr(self.learn, 'recorder')
         if not self.shown: return
         names = L(self.recorder.metric_names)
         at = len(names) - (names[-1] == 'time')
@@ -273,12 +279,19 @@ class LossFilterColumns(Callback):
 
     def before_validate(self):
         "`learn.validate()` also runs `before_fit`: it gets no columns, as nothing was trained"
-        if self.shown and not self.filt._training:
+        if self.shown and not self.trained():
             self.shown = False
             self.recorder.metric_names = L(n for n in self.recorder.metric_names if n not in self.names)
 
     def after_validate(self):
-        if self.shown: self.recorder.log += [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
+        if self.shown: self.recorder.log += self.values()
+
+class LossFilterColumns(FitColumns):
+    "The filter's columns in the fit table"
+    name,names = 'loss_filter_columns',('samp_perc', 'loss_perc', 'full_train_loss')
+    def __init__(self, filt:LossFilterBase): super().__init__(filt); self.filt = filt
+    def trained(self): return self.filt._training
+    def values(self): return [self.filt._samp_perc(), self.filt._loss_perc(), self.filt._full_loss()]
 
 def warn_no_op(cb, # the filter
                setting:str, # the setting that leaves it nothing to do, e.g. `'keep=1'`
