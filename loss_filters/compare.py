@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_compare.ipynb #64689ed7
 from __future__ import annotations
-import json, math, platform, time
+import json, platform
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr

@@ -12,7 +12,7 @@ from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
-from fastai.learner import Learner, Recorder
+from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from .core import (per_example_gramian, gram_cos, gram_norm, directional_derivatives, step_alpha, check_int,
                                dist_world, own_generator)

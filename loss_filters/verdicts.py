@@ -270,7 +270,7 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
     if word == 'does not pay': return f"{m}: does not pay {head}: {x:.2f}x against {what}{_ci_x(t)}, which gets to the target with less work{tail}"
     k = seeds_needed(math.log(x), t['sd'], a) if x > 1 and t['sd'] else None
     plan = (f"; {_seeds(t['n'])} cannot show a gain of this size at this spread: run {k}" if k else
-            f"; a gain of this size at this spread would need more than 100 seeds" if x > 1 and t['sd'] else '')
+            "; a gain of this size at this spread would need more than 100 seeds" if x > 1 and t['sd'] else '')
     return f"{m}: no gain shown {head}: {x:.2f}x against {what}{_ci_x(t)}{plan}{tail}"
 
 def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
