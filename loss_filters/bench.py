@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
-from .core import plain, frozen_norm_stats, take
+from .core import plain, frozen_norm_stats, take, check_range
 from .batch import LossFilterCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
 from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter
-from .verdicts import best_plain, format_table, verdict_lines, ci_level
+from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
 from .runs import *       # the benchmark's pieces keep their old import path, `loss_filters.bench`
@@ -199,7 +199,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
-    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5): the error rate of each test, 0.05 for 5%; got {alpha!r}")
+    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
     if augment: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     print(f"\nTarget accuracy {tgt:.4f}. Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
           f"each); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} repeat(s), ±spread (max - min); "
           f"the x columns are paired ratios (each run over the same seed's baseline; vs_best_plain over the cheapest plain schedule), geometric means; "
-          f"_ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over the {seeds} seed(s); every verdict a one-sided test at {alpha:.0%}")
+          f"_ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over the {seeds} seed(s); every verdict a one-sided test at {pct_text(alpha)}")
     print(format_table(rows))
     for line in verdict_lines(rows, budget_runs, control_of) + cmp.payoffs(): print(line)
     for s, p in prof.items():

@@ -10,12 +10,10 @@ import torch
 from fastcore.basics import store_attr
 from fastai.basics import Learner, Callback, CancelFitException
 from fastprogress.fastprogress import progress_bar
+from .core import check_range
 from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, StopAfter
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs,
-                                   best_plain, verdict_lines, payoff_line, payoff_word, format_table, ci_text, ci_level)
-
-def _fx(v) -> str: return '-' if v is None else f'{v:.2f}x'
-def _pct(a:float) -> str: return f"{a * 100:g}%"
+                                   best_plain, verdict_lines, payoff_line, payoff_word, format_table, ci_text, ci_level, ratio_text, pct_text)
 from .plots import budget_figure, time_figure, save_figure
 
 # %% auto #0
@@ -67,9 +65,9 @@ class Comparison:
         pts = lambda v: f"{v['diff'] * 100 * self.sign:+.2f} {v['verdict']}" if v else '-'
         held = lambda v: '-' if not v else f"{v['diff'] * 100 * self.sign:+.2f} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
         cols = ['method', 'seeds', 'reached', 'work_x', f'ci{lvl}', 'vs_training_less', f'ci{lvl}',
-                f"payoff{'' if has else '_vs_plain'}_at_{_pct(self.alpha)}", 'vs_plain_points', 'equal_work_points', 'vs_random_points']
-        out = [cols] + [[r['method'], str(r.get('seeds', 1)), f"{r['reached']}/{r['repeats']}", _fx(r.get('work_x')), ci_text(r.get('work_x_ci')) or '-',
-                         _fx(r.get('vs_best_plain_work_x')), ci_text(r.get('vs_best_plain_work_ci')) or '-', payoff_word(r, has),
+                f"payoff{'' if has else '_vs_plain'}_at_{pct_text(self.alpha)}", 'vs_plain_points', 'equal_work_points', 'vs_random_points']
+        out = [cols] + [[r['method'], str(r.get('seeds', 1)), f"{r['reached']}/{r['repeats']}", ratio_text(r.get('work_x')), ci_text(r.get('work_x_ci')) or '-',
+                         ratio_text(r.get('vs_best_plain_work_x')), ci_text(r.get('vs_best_plain_work_ci')) or '-', payoff_word(r, has),
                          held(r.get('vs_plain')), pts(r.get('vs_budget')), pts(r.get('vs_random'))] for r in self.rows if r['method'] not in skip]
         w = [max(len(row[i]) for row in out) for i in range(len(cols))]
         return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in out)
@@ -101,7 +99,7 @@ class Comparison:
         return [folder / 'results.json'] + [save_figure(f, folder / n) for f, n in zip(self.plot(), names)]
 
     def __repr__(self):
-        return (f"Comparison on {self.metric} (target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at {self.alpha:.0%}\n"
+        return (f"Comparison on {self.metric} (target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at {pct_text(self.alpha)}\n"
                 + format_table(self.rows) + '\n' + '\n'.join(self.verdicts))
 
 # %% ../nbs/11_compare.ipynb #7fd53d59
@@ -122,7 +120,7 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
     return metric, a
 
 def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha=.05):
-    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5): the error rate of each test, 0.05 for 5%; got {alpha!r}")
+    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
     for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch).items():
         if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
     if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
@@ -202,7 +200,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
                     target_drop:float=.002 # the default target's distance from the plain model's final value
                    ) -> Comparison:
     "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`"
-    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5): the error rate of each test, 0.05 for 5%; got {alpha!r}")
+    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
     runs = list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved)
     conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
     settings = json.loads(conf.read_text()) if conf is not None and conf.exists() else dict(metric='accuracy', sign=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numpy as np
 from scipy import stats as _st
+from .core import check_range
 
 # %% auto #0
 __all__ = ['TYPICAL_LOG_SD', 'paired_test', 'shown', 'power', 'seeds_needed', 'simulate']
@@ -20,7 +21,7 @@ def paired_test(xs:list, # one paired figure per seed (None: missing): ratios wh
                 null:float|None=None # the value tested against: default 1 for ratios, 0 for differences
                ) -> dict|None:
     "Student's t interval and one-sided tests of paired per-seed figures; None without any"
-    if not 0 < alpha < .5: raise ValueError(f"`alpha` must be in (0, 0.5), got {alpha!r}")
+    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
     xs = _clean(xs)
     if ratio and any(x <= 0 for x in xs): raise ValueError(f"ratios must be > 0, got {xs}")
     if not xs: return None

@@ -12,8 +12,8 @@ from .stats import paired_test, shown, seeds_needed, TYPICAL_LOG_SD
 
 # %% auto #0
 __all__ = ['per_seed', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'control_specs', 'best_plain',
-           'add_verdicts', 'ci_text', 'points_text', 'payoff_word', 'payoff_line', 'verdict_lines', 'ci_level',
-           'table_columns', 'format_table']
+           'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'points_text', 'payoff_word', 'payoff_line',
+           'verdict_lines', 'ci_level', 'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -180,7 +180,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
                 r['vs_best_plain_work_test'] = paired_test(w, alpha, ratio=True) if None not in w else None
                 r['vs_best_plain_work_x'] = _gmean(w)[0] if None not in w else None
                 r['vs_best_plain_x'] = _gmean(t)[0] if None not in t else None
-                r['vs_best_plain_work_ci'] = _ci(r['vs_best_plain_work_test']) if None not in w else None
+                r['vs_best_plain_work_ci'] = _ci(r['vs_best_plain_work_test'])
             else:   # one row per method, no seeds: the ratios without a test
                 r['vs_best_plain_work_x'] = _ratio(best['work'], r.get('work_to_target'))
                 r['vs_best_plain_x'] = _ratio(best['train_s'], r.get('target_s'))
@@ -197,11 +197,10 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
             for k in ('vs_budget', 'vs_random', 'vs_plain'):
                 if k in r and r[k] is None: del r[k]
         else:   # medians only: the differences, without a test
+            untested = lambda diff: dict(diff=diff, lo=None, hi=None, n=1, level=1 - 2 * alpha, alpha=alpha, verdict='no verdict (no per-seed runs)')
             if len(curve) > 1 and r.get('work') is not None and (acc := _interp(curve, r['work'])[0]) is not None:
-                r['vs_budget'] = dict(diff=r['final_accuracy'] - acc, lo=None, hi=None, n=1, level=1 - 2 * alpha, alpha=alpha,
-                                      verdict='no verdict (no per-seed runs)')
-            if rand in by: r['vs_random'] = dict(diff=r['final_accuracy'] - by[rand]['final_accuracy'], lo=None, hi=None, n=1,
-                                                 level=1 - 2 * alpha, alpha=alpha, verdict='no verdict (no per-seed runs)', control=rand)
+                r['vs_budget'] = untested(r['final_accuracy'] - acc)
+            if rand in by: r['vs_random'] = untested(r['final_accuracy'] - by[rand]['final_accuracy']) | dict(control=rand)
     return rows
 
 def _why_apart(r:dict, base:dict) -> str:
@@ -214,21 +213,25 @@ def _why_apart(r:dict, base:dict) -> str:
     else: why = "fixed per-step and per-epoch costs, and the machine's load, are not in the work count"
     return f"each unit of its work took {per:.2f}x the baseline's seconds: {why}"
 
-def _x(v): return '-' if v is None else f'{v:.2f}x'
+def ratio_text(v) -> str:
+    "A ratio as `'1.23x'`; `'-'` for none"
+    return '-' if v is None else f'{v:.2f}x'
 
-def _pct(a:float) -> str: return f"{a * 100:g}%"
+def pct_text(a:float) -> str:
+    "A share as a percentage: `'5%'` for 0.05"
+    return f"{a * 100:g}%"
 
-def ci_text(ci:tuple|None, unit:str='') -> str|None:
-    "An interval `(lo, hi)` as `'lo-hi'` with two decimals (`unit` after each end); None for none"
-    return f"{ci[0]:.2f}{unit}-{ci[1]:.2f}{unit}" if ci else None
+def ci_text(ci:tuple|None) -> str|None:
+    "An interval `(lo, hi)` as `'lo-hi'` with two decimals; None for none"
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else None
 
 def _ci_x(test:dict|None) -> str:
     "`', 90% CI 1.10-1.52x'` for a test with an interval, else ''"
-    return f", {_pct(test['level'])} CI {test['lo']:.2f}-{test['hi']:.2f}x" if test and test.get('lo') is not None else ''
+    return f", {pct_text(test['level'])} CI {test['lo']:.2f}-{test['hi']:.2f}x" if test and test.get('lo') is not None else ''
 
 def points_text(v:dict, what:str) -> str:
     "An accuracy verdict `v` in words: the mean difference in points, its interval and the verdict"
-    ci = f", {_pct(v['level'])} CI {v['lo'] * 100:+.2f} to {v['hi'] * 100:+.2f}" if v.get('lo') is not None else ''
+    ci = f", {pct_text(v['level'])} CI {v['lo'] * 100:+.2f} to {v['hi'] * 100:+.2f}" if v.get('lo') is not None else ''
     return f"{v['diff'] * 100:+.2f} points against {what}{ci} ({v['verdict']})"
 
 def _seeds(n:int) -> str: return f"{n} seed{'s' if n != 1 else ''}"
@@ -254,13 +257,13 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
     if word == 'never filtered': return f"{m}: never filtered (the fit is too short for its schedule)"
     if word == 'misses the target':
         return (f"{m}: does not pay here: it reached the target in {r.get('reached', 0)} of {r.get('repeats', 1)} runs "
-                f"(no test at {_pct(a)} without its work to the target in every seed){tail}")
+                f"(no test at {pct_text(a)} without its work to the target in every seed){tail}")
     if word == 'no work to compare': return f"{m}: no verdict: no work to the target to compare"
     if word == 'no verdict (1 seed)':   # no spread, so no level can be reached whatever the result
         k = seeds_needed(math.log(x), TYPICAL_LOG_SD, a) if x > 1 else None
         return (f"{m}: no verdict from 1 seed: {x:.2f}x less work to the target than {what}; no level can be shown without a spread "
                 f"over seeds: run {k or 2} or more" + (" (a gain of this size at the spread measured on the benchmark presets)" if k else ''))
-    head = f"at {_pct(a)} ({_seeds(t['n'])})"
+    head = f"at {pct_text(a)} ({_seeds(t['n'])})"
     rand = r.get('vs_random')
     if word == 'pays':
         why = ("; but random choice at its share ends more accurate, so the saving is not its choice of examples" if rand['verdict'] == 'loses' else
@@ -282,9 +285,9 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
         m = r['method']
         if m == 'baseline' or m in budgets or m in controls: continue
         if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
-        s = (f"{m} ({_seeds(r.get('seeds', r['repeats']))}, tests at {_pct(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
-             f"work to it {_x(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} the baseline's and {_x(r.get('vs_best_plain_work_x'))}"
-             f"{_ci_x(r.get('vs_best_plain_work_test'))} the cheapest plain schedule's; wall-clock {_x(r.get('target_x'))} and {_x(r.get('vs_best_plain_x'))}")
+        s = (f"{m} ({_seeds(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
+             f"work to it {ratio_text(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} the baseline's and {ratio_text(r.get('vs_best_plain_work_x'))}"
+             f"{_ci_x(r.get('vs_best_plain_work_test'))} the cheapest plain schedule's; wall-clock {ratio_text(r.get('target_x'))} and {ratio_text(r.get('vs_best_plain_x'))}")
         for k, what in (('vs_plain', 'the plain model'), ('vs_budget', 'training less at equal work'), ('vs_random', 'random choice at its share')):
             if r.get(k): s += f"; final value {points_text(r[k], what)}"
         if r.get('vs_plain', {}).get('holds') is not None:
