@@ -513,6 +513,12 @@ def _same_tensors(model:nn.Module):
         for m, k, t in held:
             if (m._parameters.get(k) if k in m._parameters else m._buffers.get(k)) is not t: setattr(m, k, t)
 
+def _example_losses(forward, xb:tuple, yb:tuple, loss_func, after_pred=None) -> Tensor:
+    "Per-example losses of the batch through `forward` (the model, or the model at other parameters), its prediction through `after_pred` first"
+    pred = forward(*plain(tuple(xb)))
+    if after_pred is not None: pred = after_pred(pred)
+    return per_sample_loss(loss_func, plain(pred), *plain(tuple(yb)))
+
 def per_example_gramian(model:nn.Module, # the model
                         xb:tuple, # the batch's inputs
                         yb:tuple, # the batch's targets
@@ -529,9 +535,7 @@ def per_example_gramian(model:nn.Module, # the model
         batched = _batched_ok(mods) and not (train and _has_norm([model]))   # a norm layer in training mode ties the examples together
         engine = _engine(mods, batched=batched)
         try:
-            pred = model(*plain(tuple(xb)))
-            if after_pred is not None: pred = after_pred(pred)
-            losses = per_sample_loss(loss_func, plain(pred), *plain(tuple(yb)))
+            losses = _example_losses(model, xb, yb, loss_func, after_pred)
             G = engine.compute_gramian(losses).detach()
             return (G, losses.detach().float()) if return_losses else G
         finally: del engine   # its hooks go with it
@@ -562,10 +566,7 @@ def directional_derivatives(model:nn.Module, # the model
     named = dict(model.named_parameters())
     at = {k: (named[k] if params is None else params[k]).detach() for k in direction}
     tangent = {k: direction[k].detach().to(at[k].dtype) for k in direction}
-    def losses(p):
-        pred = functional_call(model, p, plain(tuple(xb)), strict=False)
-        if after_pred is not None: pred = after_pred(pred)
-        return per_sample_loss(loss_func, plain(pred), *plain(tuple(yb))).float()
+    def losses(p): return _example_losses(lambda *x: functional_call(model, p, x, strict=False), xb, yb, loss_func, after_pred).float()
     with _mode(model, train), _same_tensors(model):
         try: l, d = jvp(losses, (at,), (tangent,))
         except NotImplementedError:   # a fused kernel without forward-mode AD (oneDNN's or cuDNN's RNN): the plain kernels have it

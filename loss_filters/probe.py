@@ -4,7 +4,7 @@
 
 # %% ../nbs/05a_probe.ipynb #4a751009
 from __future__ import annotations
-import math, time
+import math, statistics, time
 import torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
@@ -36,13 +36,10 @@ def _since(t:float, model) -> float:
     if next(model.parameters()).is_cuda: torch.cuda.synchronize()
     return time.perf_counter() - t
 
-def _mean(xs) -> float:
+def _over(f, xs) -> float:
+    "`f` (a mean, a median) of the values of `xs` that are there; NaN without any"
     xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float('nan')
-
-def _median(xs) -> float:
-    xs = sorted(x for x in xs if x is not None and not math.isnan(x))
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else float('nan')
+    return f(xs) if xs else float('nan')
 
 # %% ../nbs/05a_probe.ipynb #796935f1
 class ProbeColumns(FitColumns):
@@ -188,6 +185,7 @@ class GradientProbeCallback(Callback):
         named = dict(self.learn.model.named_parameters())
         d = {k: named[k].detach() - p for k, p in before.items()}
         t = math.sqrt(sum(float(x.double().pow(2).sum()) for x in d.values()))
+        rec['step_size'] = t
         if t == 0: rec['alpha'] = -1.; return
         self._unit = {k: x / t for k, x in d.items()}
         self._end = (t, self._measure(xb, yb, params=before), rec)
@@ -197,13 +195,12 @@ class GradientProbeCallback(Callback):
         self._end = None
         f1, vf1, df1, vdf1 = self._measure(self.learn.xb, self.learn.yb)
         rec['alpha'] = step_alpha(t, (f0, f1), (vf0, vf1), (df0, df1), (vdf0, vdf1))
-        rec['step_size'] = t
         self._unit = None
 
     def epoch_means(self) -> list:
         "The fit table's columns over this epoch's probed batches (NaN without any): means, and α's median (a fit whose slope is nearly flat gives α far from 0)"
         rs = self.stats[self._epoch0:]
-        return [(_median if k == 'alpha' else _mean)([r[k] for r in rs]) for k in ProbeColumns.names]
+        return [_over(statistics.median if k == 'alpha' else statistics.fmean, [r[k] for r in rs]) for k in ProbeColumns.names]
 
     def table(self):
         "Every probed batch as a DataFrame"
