@@ -26,8 +26,13 @@ sync: install
 	else rm -rf .sync_check; echo "nbdev_export changed loss_filters/: notebooks and modules are out of sync"; exit 1; fi
 	$(BIN)/python tools/readme.py --check
 
+# The tests in parallel: one worker per core, a test file at a time on one worker (a file's tests share fixtures), one
+# compute thread per worker (torch's threads spin-waiting for each other on shared cores cost more than they bring).
+PYTEST_WORKERS ?= auto
+PYTEST = OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(1)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider tests
+
 pytest: install
-	$(BIN)/python -m pytest -q tests
+	$(call PYTEST,$(BIN))
 
 nbtest: install
 	LF_SMOKE=1 $(BIN)/nbdev_test --n_workers 2
@@ -35,12 +40,12 @@ nbtest: install
 # The library does not pin fastai: run the pytest suite against the newest release too.
 $(VENV_LATEST)/.installed: setup.py settings.ini
 	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
-	$(VENV_LATEST)/bin/python -m pip install -q -U -e '.[distributed,grad]' fastai pytest hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
+	$(VENV_LATEST)/bin/python -m pip install -q -U -e '.[distributed,grad]' fastai pytest pytest-xdist hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
 	touch $@
 
 test-latest: $(VENV_LATEST)/.installed
 	$(VENV_LATEST)/bin/python -c "import fastai, fastcore, torch; print('latest env: fastai', fastai.__version__, 'fastcore', fastcore.__version__, 'torch', torch.__version__)"
-	$(VENV_LATEST)/bin/python -m pytest -q tests
+	$(call PYTEST,$(VENV_LATEST)/bin)
 
 # The main job: every method side by side on Fashion-MNIST (scikit-learn's digits when it is absent).
 BENCH_ARGS ?=

@@ -15,10 +15,10 @@ from fastai.data.core import DataLoaders
 from .core import check_range
 
 # %% auto #0
-__all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'DATASETS', 'CIFAR_CLASSES', 'IdxFormatError', 'read_idx',
-           'write_idx', 'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet', 'TensorDL',
-           'tensor_dls', 'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls', 'cifar10_dls',
-           'make_cifar_like']
+__all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'DATASETS', 'CIFAR_CLASSES', 'CIFAR10_SETTINGS', 'IdxFormatError',
+           'read_idx', 'write_idx', 'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet',
+           'TensorDL', 'tensor_dls', 'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls',
+           'cifar10_dls', 'make_cifar_like', 'cifar10_setting']
 
 # %% ../nbs/02_data.ipynb #9ea389b7
 class IdxFormatError(ValueError):
@@ -223,18 +223,36 @@ def cifar10_dls(path:str|Path|None=None, # CIFAR10 folder; default: `untar_data(
     if num_workers is not None: kwargs['num_workers'] = num_workers
     return ImageDataLoaders.from_folder(path, train='train', valid='test', bs=bs, batch_tfms=tfms, device=device, **kwargs)
 
-def make_cifar_like(dest:str|Path, n_per_class:int=4, classes:list=CIFAR_CLASSES, size:int=32, seed:int=0) -> Path:
-    "Write a tiny CIFAR10-shaped folder of real RGB PNGs (a class-coloured tint on noise) under `dest`"
+def make_cifar_like(dest:str|Path, n_per_class:int=4, classes:list=CIFAR_CLASSES, size:int=32, seed:int=0,
+                    n_test_per_class:int|None=None # images per class in `test/`; default `n_per_class` (CIFAR10 has 5,000 and 1,000)
+                   ) -> Path:
+    "Write a CIFAR10-shaped folder of real RGB PNGs (a class-coloured tint on noise) under `dest`"
     from PIL import Image
     rng, dest = np.random.default_rng(seed), Path(dest)
     tints = rng.integers(0, 256, (len(classes), 3))
-    for split in ('train', 'test'):
+    for split, n in (('train', n_per_class), ('test', n_per_class if n_test_per_class is None else n_test_per_class)):
         for c, tint in zip(classes, tints):
             (dest / split / c).mkdir(parents=True, exist_ok=True)
-            for i in range(n_per_class):
+            for i in range(n):
                 img = (.6 * tint + .4 * rng.integers(0, 256, (size, size, 3))).astype(np.uint8)
                 Image.fromarray(img).save(dest / split / c / f'{i}.png')
     return dest
+
+# %% ../nbs/02_data.ipynb #8f9b9c82
+from .models import WideResNet, resnet9
+
+CIFAR10_SETTINGS = dict(
+    quick=dict(epochs=18, bs=512, lr=4e-3, seeds=3, budgets='.6 .75 .9', model='ResNet-9 (6.6M parameters)'),
+    original=dict(epochs=100, bs=128, lr=3e-3, seeds=3, budgets='.6 .75 .9', model='WideResNet(3, N=4, k=2, start_nf=32) (5.9M parameters)'),
+    smoke=dict(epochs=2, bs=32, lr=3e-3, seeds=2, budgets='.5', model='ResNet-9 of widths 8-64'))
+
+def cifar10_setting(name:str='quick' # 'quick', 'original' or 'smoke'
+                   ) -> dict:
+    "A CIFAR10 notebook's setting: `epochs`, `bs`, `lr`, `seeds`, `budgets`, a description of the `model` and `make_model`, a function that builds a new one"
+    if name not in CIFAR10_SETTINGS: raise ValueError(f"`name` must be one of {', '.join(CIFAR10_SETTINGS)}, got {name!r}")
+    make_model = dict(quick=resnet9, smoke=lambda: resnet9(widths=(8, 16, 32, 64)),
+                      original=lambda: WideResNet(num_groups=3, N=4, num_classes=10, k=2, start_nf=32))[name]
+    return dict(CIFAR10_SETTINGS[name], name=name, make_model=make_model)
 
 # %% ../nbs/02_data.ipynb #e9d5fabb
 from .models import simple_cnn, simple_mlp   # the bench models live in `loss_filters.models`; this path stays

@@ -1,5 +1,5 @@
 "The experiments in `tools/`: the two combined filters train on what each of their parts would leave, and count their work."
-import importlib.util, sys
+import importlib.util, re, sys
 import pytest
 from pathlib import Path
 import torch
@@ -93,3 +93,28 @@ def test_the_gradient_matching_filter_trains_a_weighted_subset(digits):
     sizes = [s for _, _, s in spy.sizes]
     assert sizes and all(s == 16 for s in sizes)   # a quarter of each batch of 64
     assert 0 < learn.loss_filter.epoch_stats[-1]['samp_perc'] < .3
+
+def test_cifar_dry_run_finds_its_generated_folder_without_downloading_and_leaves_nothing(tmp_path, monkeypatch):
+    "`tools/cifar_dry_run.py` at a tiny size: the notebook's loaders through `untar_data`, a table of every method, no download, no folder left"
+    import subprocess, os
+    home = tmp_path / 'real_home'   # a user's fastai folder: the dry run must never touch it
+    env = {**os.environ, 'FASTAI_HOME': str(home), 'HTTPS_PROXY': 'http://127.0.0.1:9', 'OMP_NUM_THREADS': '1'}
+    out = tmp_path / 'dry.txt'
+    tool = Path(__file__).resolve().parent.parent / 'tools' / 'cifar_dry_run.py'
+    r = subprocess.run([sys.executable, str(tool), '--settings', 'smoke', '--n_per_class', '40', '--n_test_per_class', '8',
+                        '--batches', '1', '--warmup', '1', '--valid_batches', '1', '--out', str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert '400 training and 80 validation images' in text
+    for m in ('baseline', 'blf', 'random at blf share', 'sb', 'random at sb share'): assert f'\n{m} ' in text
+    assert 'the whole comparison (2 seeds' in text and 'at most' in text
+    assert not home.exists()   # the real fastai home was neither read nor created
+    own = Path(re.search(r'under a new FASTAI_HOME, (\S+) \(removed', text).group(1))
+    assert own.name.startswith('lf_dry_run_fastai_') and not own.exists()   # its own home is gone
+
+def test_cifar_dry_run_refuses_bad_sizes():
+    tool = Path(__file__).resolve().parent.parent / 'tools' / 'cifar_dry_run.py'
+    import subprocess
+    r = subprocess.run([sys.executable, str(tool), '--batches', '0'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and '--batches must be at least 1, got 0' in r.stderr
