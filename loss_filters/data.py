@@ -238,7 +238,7 @@ def make_cifar_like(dest:str|Path, n_per_class:int=4, classes:list=CIFAR_CLASSES
                 Image.fromarray(img).save(dest / split / c / f'{i}.png')
     return dest
 
-# %% ../nbs/02_data.ipynb #8f9b9c82
+# %% ../nbs/02_data.ipynb #4ce0ebea
 from .models import WideResNet, resnet9
 
 CIFAR10_SETTINGS = dict(
