@@ -34,8 +34,9 @@ PYTEST = OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(1)/python -m pytest -q -n $(PYTES
 pytest: install
 	$(call PYTEST,$(BIN))
 
+# Two notebooks at a time, one compute thread each, for the same reason as the tests.
 nbtest: install
-	LF_SMOKE=1 $(BIN)/nbdev_test --n_workers 2
+	LF_SMOKE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
 
 # The library does not pin fastai: run the pytest suite against the newest release too.
 $(VENV_LATEST)/.installed: setup.py settings.ini
