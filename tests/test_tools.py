@@ -1,5 +1,5 @@
 "The experiments in `tools/`: the two combined filters train on what each of their parts would leave, and count their work."
-import importlib.util, re, sys
+import importlib.util, os, re, subprocess, sys
 import pytest
 from pathlib import Path
 import torch
@@ -94,27 +94,31 @@ def test_the_gradient_matching_filter_trains_a_weighted_subset(digits):
     assert sizes and all(s == 16 for s in sizes)   # a quarter of each batch of 64
     assert 0 < learn.loss_filter.epoch_stats[-1]['samp_perc'] < .3
 
-def test_cifar_dry_run_finds_its_generated_folder_without_downloading_and_leaves_nothing(tmp_path, monkeypatch):
+TOOLS = Path(__file__).resolve().parent.parent / 'tools'
+
+def test_cifar_dry_run_finds_its_generated_folder_without_downloading_and_leaves_nothing(tmp_path):
     "`tools/cifar_dry_run.py` at a tiny size: the notebook's loaders through `untar_data`, a table of every method, no download, no folder left"
-    import subprocess, os
-    home = tmp_path / 'real_home'   # a user's fastai folder: the dry run must never touch it
-    env = {**os.environ, 'FASTAI_HOME': str(home), 'HTTPS_PROXY': 'http://127.0.0.1:9', 'OMP_NUM_THREADS': '1'}
+    home, user = tmp_path / 'real_home', tmp_path / 'user'   # a user's fastai folder, and home: the dry run must never touch the first
+    env = {**os.environ, 'FASTAI_HOME': str(home), 'HOME': str(user), 'HTTPS_PROXY': 'http://127.0.0.1:9', 'OMP_NUM_THREADS': '1'}
     out = tmp_path / 'dry.txt'
-    tool = Path(__file__).resolve().parent.parent / 'tools' / 'cifar_dry_run.py'
-    r = subprocess.run([sys.executable, str(tool), '--settings', 'smoke', '--n_per_class', '40', '--n_test_per_class', '8',
-                        '--batches', '1', '--warmup', '1', '--valid_batches', '1', '--out', str(out)],
+    r = subprocess.run([sys.executable, str(TOOLS / 'cifar_dry_run.py'), '--settings', 'smoke', '--n_per_class', '40',
+                        '--n_test_per_class', '8', '--batches', '50', '--warmup', '1', '--valid_batches', '1', '--out', str(out)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     text = out.read_text()
-    assert '400 training and 80 validation images' in text
+    assert '400 training and 80 validation images, 12 training batches an epoch' in text
+    assert '11 training batches timed after 1, 1 validation batches' in text   # 50 asked: as many as one epoch has
     for m in ('baseline', 'blf', 'random at blf share', 'sb', 'random at sb share'): assert f'\n{m} ' in text
-    assert 'the whole comparison (2 seeds' in text and 'at most' in text
-    assert not home.exists()   # the real fastai home was neither read nor created
+    m = re.search(r'([\d.]+) (h|min) at the shares kept here, at most ([\d.]+) (h|min)', text)
+    low, high = (float(m.group(i)) * (60 if m.group(i + 1) == 'h' else 1) for i in (1, 3))
+    assert 0 < low <= high
+    assert not home.exists() and not (user / '.fastai').exists()   # the real fastai home was neither read nor created
     own = Path(re.search(r'under a new FASTAI_HOME, (\S+) \(removed', text).group(1))
     assert own.name.startswith('lf_dry_run_fastai_') and not own.exists()   # its own home is gone
 
-def test_cifar_dry_run_refuses_bad_sizes():
-    tool = Path(__file__).resolve().parent.parent / 'tools' / 'cifar_dry_run.py'
-    import subprocess
-    r = subprocess.run([sys.executable, str(tool), '--batches', '0'], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and '--batches must be at least 1, got 0' in r.stderr
+def test_cifar_dry_run_refuses_bad_sizes(capsys):
+    spec = importlib.util.spec_from_file_location('cifar_dry_run', TOOLS / 'cifar_dry_run.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    for opt, bad, msg in (('--batches', '0', 'at least 1'), ('--warmup', '-1', 'at least 0'), ('--settings', 'fast', 'invalid choice')):
+        with pytest.raises(SystemExit): mod.parse_args([opt, bad])
+        assert msg in capsys.readouterr().err

@@ -10,7 +10,7 @@ this machine.  The images are a class tint on noise: the timings mean something,
     python tools/cifar_dry_run.py                                  # both settings, 200 timed batches each
     python tools/cifar_dry_run.py --batches 5 --out dry_run.txt   # a CPU: a few batches are minutes
 """
-import argparse, os, platform, shutil, statistics, tempfile, time
+import argparse, itertools, os, platform, shutil, statistics, tempfile, time
 from pathlib import Path
 import torch, fastai
 from fastdownload import FastDownload
@@ -19,7 +19,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.torch_core import find_bs
-from loss_filters.batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback
+from loss_filters.batch import RandomBatchCallback
 from loss_filters.core import should_select
 from loss_filters.data import cifar10_dls, cifar10_setting, make_cifar_like
 from loss_filters.runs import learner_score_cost, parse_method, sync_device
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument('--valid_batches', type=int, default=10, help='timed validation batches of each setting')
     p.add_argument('--n_per_class', type=int, default=5000, help='training images per class (CIFAR10: 5,000)')
     p.add_argument('--n_test_per_class', type=int, default=1000, help='test images per class (CIFAR10: 1,000)')
-    p.add_argument('--keep_folder', action='store_true', help='keep the generated fastai home (it is about 250 MB)')
+    p.add_argument('--keep_folder', action='store_true', help='keep the generated fastai home (60,000 small PNGs) and say where')
     p.add_argument('--out', help='also write the report to this file')
     a = p.parse_args(argv)
     for k in ('batches', 'valid_batches', 'n_per_class', 'n_test_per_class'):
@@ -58,52 +58,50 @@ def no_download():
 
 
 class BatchClock(Callback):
-    "Seconds between consecutive batches' ends (loading, scoring, forward, backward, step) and the rows each trained on, then stop"
-    order = 100   # after the filters and the Recorder
+    "Seconds between consecutive training batches' ends (loading, scoring, forward, backward, step) and the rows each trained on, then stop"
+    order, run_valid = 100, False   # after the filters and the Recorder; training batches only
     def __init__(self, n:int, warmup:int): self.n, self.warmup = n, warmup
     def before_train(self): self.times, self.kept, self.bs, self.t = [], [], self.learn.dls.train.bs, time.perf_counter()
     def after_batch(self):
         sync_device(); t = time.perf_counter()
         self.times.append(t - self.t); self.kept.append(find_bs(self.learn.yb)); self.t = t
         if len(self.times) >= self.warmup + self.n: raise CancelFitException()
+    def after_train(self): raise RuntimeError(f"an epoch has {len(self.times)} batches: fewer than the {self.warmup + self.n} to time")
     @property
     def secs(self): return statistics.fmean(self.times[self.warmup:])
     @property
     def share(self): return statistics.fmean(self.kept[self.warmup:]) / self.bs
 
 
-def time_method(dls, setting, cb, args):
+def time_method(dls, setting, cb, n, warmup):
     "Seconds per training batch and the share kept, with `cb` (or plainly) acting on every timed batch"
-    clock = BatchClock(args.batches, args.warmup)
+    clock = BatchClock(n, warmup)
     learn = Learner(dls, setting['make_model'](), loss_func=CrossEntropyLossFlat())
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(1, setting['lr'], cbs=[clock] + ([cb] if cb else []))
     return clock.secs, clock.share
 
 
-def time_valid(dls, setting, n):
-    "Seconds per validation batch (loading and a no-grad forward), the first batch untimed"
-    model, times = setting['make_model']().to(dls.device).eval(), []
-    with torch.no_grad():
-        t = time.perf_counter()
-        for i, (xb, _) in enumerate(dls.valid):
-            model(xb); sync_device(); times.append(time.perf_counter() - t); t = time.perf_counter()
-            if i >= n: break
-    return sum(times[1:]) / len(times[1:])
-
-
-def time_loading(dl, n, warmup):
-    "Seconds per training batch of the loader alone: reading and decoding the PNGs, item and batch transforms, no model"
+def time_loader(dl, n, warmup=1, model=None) -> tuple:
+    "Seconds to the first batch (the workers' start, paid every epoch) and per later batch of `dl` alone, or through `model` without gradients"
     times, t = [], time.perf_counter()
-    for i, _ in zip(range(warmup + n), dl):
-        sync_device(); times.append(time.perf_counter() - t); t = time.perf_counter()
-    return statistics.fmean(times[warmup:])
+    with torch.no_grad():
+        for xb, *_ in itertools.islice(dl, warmup + n):
+            if model is not None: model(xb)
+            sync_device(); times.append(time.perf_counter() - t); t = time.perf_counter()
+    return times[0], statistics.fmean(times[warmup:])
 
 
 def filtered_share(cb, epochs, n_batches):
-    "The share of a fit's batches that `cb`'s schedule filters"
+    "The share of a fit's batches that `cb`'s schedule filters: its epochs after `skip_epochs`, in its `start`-`end` window, but every `interrupt`-th"
     n = epochs * n_batches
     return sum(e >= getattr(cb, 'skip_epochs', 0) and should_select((e * n_batches + i) / n, i, cb.start, cb.end, cb.interrupt)
                for e in range(epochs) for i in range(n_batches)) / n
+
+
+def callback(spec:str, **every):
+    "The callback `compare_filters` builds for `spec`, with the settings in `every` changed"
+    _, cls, kw, _ = parse_method(spec)
+    return cls(**{**kw, **every})
 
 
 def dry_run(name, args, say) -> tuple:
@@ -111,37 +109,41 @@ def dry_run(name, args, say) -> tuple:
     s = cifar10_setting(name)
     t = time.perf_counter(); dls = cifar10_dls(None, bs=s['bs']); t_dls = time.perf_counter() - t   # as the notebook: `untar_data(URLs.CIFAR)`
     nb, E, seeds = len(dls.train), s['epochs'], s['seeds']
+    n, nv = min(args.batches, nb - args.warmup), min(args.valid_batches, len(dls.valid) - 1)   # within one epoch
+    if n < 1 or nv < 1: raise ValueError(f"{nb} training and {len(dls.valid)} validation batches of {s['bs']}: too few to time "
+                                          f"after {args.warmup} untimed (raise --n_per_class or --n_test_per_class, or lower --warmup)")
     say(f"\n## {name}: {s['model']}, batches of {s['bs']}, {E} epochs, {seeds} seeds; device {dls.device}")
     say(f"DataLoaders from `untar_data(URLs.CIFAR)`: {len(dls.train_ds):,} training and {len(dls.valid_ds):,} validation images, "
-        f"{nb} training batches an epoch, built in {t_dls:.1f} s")
-    v = time_valid(dls, s, args.valid_batches) * len(dls.valid)
-    load = time_loading(dls.train, args.batches, args.warmup)
-    plain, _ = time_method(dls, s, None, args)
-    cost = learner_score_cost(Learner(dls, s['make_model'](), loss_func=CrossEntropyLossFlat()))   # a scored example, in training steps
+        f"{nb} training batches an epoch, built in {t_dls:.1f} s; {n} training batches timed after {args.warmup}, {nv} validation batches")
+    start_v, per_v = time_loader(dls.valid, nv, model=s['make_model']().to(dls.device).eval())
+    start_t, load = time_loader(dls.train, n, max(args.warmup, 1))
+    v = start_v + per_v * (len(dls.valid) - 1) + start_t   # validation, and the training loader's start: every epoch pays both
+    plain, _ = time_method(dls, s, None, n, args.warmup)
+    cost = learner_score_cost(Learner(dls, s['make_model'](), loss_func=CrossEntropyLossFlat()), n=min(10, n))   # a scored example, in steps
     epoch = lambda per_batch: nb * per_batch + v
     budgets = sum(parse_method(b)[3]['epochs'] for b in budget_specs(E, s['budgets']))   # epochs of the shorter plain schedules
     low = high = seeds * (E + budgets) * epoch(plain)
     rows = [('baseline', plain, 1., None, epoch(plain))]
-    for k, cb in dict(blf=BatchLossFilterCallback(), sb=SelectiveBackpropCallback()).items():   # the notebook's filters, at their defaults
-        phi = filtered_share(cb, E, nb)   # every batch is filtered here; in the notebook's fit, this share of them
-        every = dict(blf=dict(skip_epochs=0), sb=dict(start=0., end=1., interrupt=0))[k]
-        secs, share = time_method(dls, s, type(cb)(**every), args)
-        rsecs, _ = time_method(dls, s, RandomBatchCallback(keep=max(share, 1 / s['bs'])), args)
-        for m, per, most in ((k, secs, plain * (1 + cost)), (f'random at {k} share', rsecs, plain)):
+    for k, every in dict(blf=dict(skip_epochs=0), sb=dict(start=0., end=1., interrupt=0)).items():   # the notebook's filters, on every batch
+        phi = filtered_share(callback(k), E, nb)   # the share of the notebook's batches the filter acts on, at its defaults
+        secs, share = time_method(dls, s, callback(k, **every), n, args.warmup)
+        rsecs, _ = time_method(dls, s, RandomBatchCallback(keep=max(share, 2 / s['bs'])), n, args.warmup)   # it scores too
+        for m, per in ((k, secs), (f'random at {k} share', rsecs)):
             rows.append((m, per, share, phi, epoch(phi * per + (1 - phi) * plain)))
-            low += seeds * E * rows[-1][-1]; high += seeds * E * epoch(phi * most + (1 - phi) * plain)   # most: the whole batch, and the scoring
-    say(f"loading alone (the PNGs read, decoded, augmented; no model): {load:.2f} s a training batch; validation: {v:.0f} s an epoch "
-        f"({len(dls.valid)} batches); scoring an example costs {cost:.2f} of a training step on it")
+            low += seeds * E * rows[-1][-1]
+            high += seeds * E * epoch(phi * max(per, plain * (1 + cost)) + (1 - phi) * plain)   # at most: the whole batch trained, and scored
+    say(f"loading alone (the PNGs read, decoded, augmented; no model): {load:.2f} s a training batch; an epoch's loaders start in "
+        f"{start_t + start_v:.1f} s; validation: {v - start_t:.0f} s an epoch; scoring an example costs {cost:.2f} of a training step")
     say(f"{'method':<20} {'s/batch':>8} {'kept':>6} {'filtered':>9} {'s/epoch':>8}")
     for m, per, share, phi, ep in rows: say(f"{m:<20} {per:>8.2f} {share:>6.0%} {'-' if phi is None else f'{phi:.0%}':>9} {ep:>8.0f}")
     say(f"s/batch: a filtered batch (the plain model: every batch); kept: its share of the batch, on these generated images; "
         f"filtered: the share of the notebook's batches the method filters; s/epoch: an epoch of the notebook's fit, validation included")
     say(f"the whole comparison ({seeds} seeds: the plain model, 2 filters, their random controls, {len(budget_specs(E, s['budgets']))} "
-        f"shorter plain schedules): {_h(low)} at the shares kept here, at most {_h(high)} (every filtered batch trained whole, and scored)")
+        f"shorter plain schedules): {hours(low)} at the shares kept here, at most {hours(high)} (every filtered batch trained whole, and scored)")
     return low, high
 
 
-def _h(secs): return f"{secs / 3600:.1f} h" if secs >= 5400 else f"{secs / 60:.0f} min"
+def hours(secs:float) -> str: return f"{secs / 3600:.1f} h" if secs >= 3600 else f"{secs / 60:.1f} min"
 
 
 def main(argv=None):
@@ -151,16 +153,16 @@ def main(argv=None):
     def say(s=''): print(s, flush=True); lines.append(s)
     try:
         say(f"# CIFAR10 dry run: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}, fastai {fastai.__version__}; {args.batches} timed batches after {args.warmup} untimed")
+            f"torch {torch.__version__}, fastai {fastai.__version__}; up to {args.batches} timed batches after {args.warmup} untimed")
         t = time.perf_counter()
         make_cifar_like(home / 'data' / 'cifar10', n_per_class=args.n_per_class, n_test_per_class=args.n_test_per_class)
         say(f"wrote {10 * args.n_per_class:,} + {10 * args.n_test_per_class:,} generated PNGs in {time.perf_counter() - t:.0f} s, "
-            f"under a new FASTAI_HOME, {home} (removed at the end)")
+            f"under a new FASTAI_HOME, {home}" + ('' if args.keep_folder else ' (removed at the end)'))
         for name in args.settings: dry_run(name, args, say)
         say(f"\nthe dry run took {(time.perf_counter() - t0) / 60:.1f} min")
-    finally:
+    finally:   # what was measured is written even when a later setting fails
         if not args.keep_folder: shutil.rmtree(home, ignore_errors=True)
-    if args.out: Path(args.out).write_text('\n'.join(lines) + '\n')
+        if args.out: Path(args.out).write_text('\n'.join(lines) + '\n')
 
 
 if __name__ == '__main__': main()
