@@ -29,14 +29,15 @@ sync: install
 # The tests in parallel: one worker per core, a test file at a time on one worker (a file's tests share fixtures), one
 # compute thread per worker (torch's threads spin-waiting for each other on shared cores cost more than they bring).
 PYTEST_WORKERS ?= auto
-PYTEST = OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(1)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider tests
+ONE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+PYTEST = $(ONE_THREAD) $(1)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider tests
 
 pytest: install
 	$(call PYTEST,$(BIN))
 
 # Two notebooks at a time, one compute thread each, for the same reason as the tests.
 nbtest: install
-	LF_SMOKE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
+	LF_SMOKE=1 $(ONE_THREAD) $(BIN)/nbdev_test --n_workers 2
 
 # The library does not pin fastai: run the pytest suite against the newest release too.
 $(VENV_LATEST)/.installed: setup.py settings.ini

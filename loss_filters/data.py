@@ -223,8 +223,12 @@ def cifar10_dls(path:str|Path|None=None, # CIFAR10 folder; default: `untar_data(
     if num_workers is not None: kwargs['num_workers'] = num_workers
     return ImageDataLoaders.from_folder(path, train='train', valid='test', bs=bs, batch_tfms=tfms, device=device, **kwargs)
 
-def make_cifar_like(dest:str|Path, n_per_class:int=4, classes:list=CIFAR_CLASSES, size:int=32, seed:int=0,
-                    n_test_per_class:int|None=None # images per class in `test/`; default `n_per_class` (CIFAR10 has 5,000 and 1,000)
+def make_cifar_like(dest:str|Path, # the folder to write, as `untar_data(URLs.CIFAR)` gives it
+                    n_per_class:int=4, # images per class in `train/` (CIFAR10 has 5,000)
+                    classes:list=CIFAR_CLASSES, # the class folders' names
+                    size:int=32, # height and width of every image
+                    seed:int=0, # seed of the tints and the noise
+                    n_test_per_class:int|None=None # images per class in `test/`; default `n_per_class` (CIFAR10 has 1,000)
                    ) -> Path:
     "Write a CIFAR10-shaped folder of real RGB PNGs (a class-coloured tint on noise) under `dest`"
     from PIL import Image
