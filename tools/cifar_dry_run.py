@@ -7,7 +7,7 @@ of each setting's model plainly, with each filter and with each filter's random 
 a few validation batches, and prints the time per epoch of each and the estimated time of the whole comparison on
 this machine.  The images are a class tint on noise: the timings mean something, the accuracies and kept shares do not.
 
-    python tools/cifar_dry_run.py                                  # both settings, 200 timed batches each
+    python tools/cifar_dry_run.py                                  # both settings, up to 200 timed batches (one epoch)
     python tools/cifar_dry_run.py --batches 5 --out dry_run.txt   # a CPU: a few batches are minutes
 """
 import argparse, itertools, os, platform, shutil, statistics, tempfile, time
