@@ -245,18 +245,18 @@ def make_cifar_like(dest:str|Path, # the folder to write, as `untar_data(URLs.CI
 # %% ../nbs/02_data.ipynb #4ce0ebea
 from .models import WideResNet, resnet9
 
-CIFAR10_SETTINGS = dict(
-    quick=dict(epochs=18, bs=512, lr=4e-3, seeds=3, budgets='.6 .75 .9', model='ResNet-9 (6.6M parameters)'),
-    original=dict(epochs=100, bs=128, lr=3e-3, seeds=3, budgets='.6 .75 .9', model='WideResNet(3, N=4, k=2, start_nf=32) (5.9M parameters)'),
-    smoke=dict(epochs=2, bs=32, lr=3e-3, seeds=2, budgets='.5', model='ResNet-9 of widths 8-64'))
+CIFAR10_SETTINGS = dict(   # `make_model` builds a new model on every call
+    quick=dict(epochs=18, bs=512, lr=4e-3, seeds=3, budgets='.6 .75 .9', model='ResNet-9 (6.6M parameters)', make_model=resnet9),
+    original=dict(epochs=100, bs=128, lr=3e-3, seeds=3, budgets='.6 .75 .9', model='WideResNet(3, N=4, k=2, start_nf=32) (5.9M parameters)',
+                  make_model=lambda: WideResNet(num_groups=3, N=4, num_classes=10, k=2, start_nf=32)),
+    smoke=dict(epochs=2, bs=32, lr=3e-3, seeds=2, budgets='.5', model='ResNet-9 of widths 8-64',
+               make_model=lambda: resnet9(widths=(8, 16, 32, 64))))
 
 def cifar10_setting(name:str='quick' # 'quick', 'original' or 'smoke'
                    ) -> dict:
     "A CIFAR10 notebook's setting: `epochs`, `bs`, `lr`, `seeds`, `budgets`, a description of the `model` and `make_model`, a function that builds a new one"
     if name not in CIFAR10_SETTINGS: raise ValueError(f"`name` must be one of {', '.join(CIFAR10_SETTINGS)}, got {name!r}")
-    make_model = dict(quick=resnet9, smoke=lambda: resnet9(widths=(8, 16, 32, 64)),
-                      original=lambda: WideResNet(num_groups=3, N=4, num_classes=10, k=2, start_nf=32))[name]
-    return dict(CIFAR10_SETTINGS[name], name=name, make_model=make_model)
+    return dict(CIFAR10_SETTINGS[name], name=name)
 
 # %% ../nbs/02_data.ipynb #e9d5fabb
 from .models import simple_cnn, simple_mlp   # the bench models live in `loss_filters.models`; this path stays

@@ -7,9 +7,11 @@ from fastai.basics import Callback, Learner, CrossEntropyLossFlat, accuracy, set
 from loss_filters.all import *
 from conftest import make_dls, mlp, BatchSpy
 
-def _combined():
-    path = Path(__file__).resolve().parent.parent / 'tools' / 'combined.py'
-    spec = importlib.util.spec_from_file_location('combined', path)
+TOOLS = Path(__file__).resolve().parent.parent / 'tools'
+
+def _tool(name:str):
+    "The module `tools/<name>.py`, loaded from its file"
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f'{name}.py')
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     return mod
 
@@ -30,7 +32,7 @@ def _fit(digits, cb, epochs=4):
     return learn, *spies
 
 def test_hide_and_blf_trains_part_of_each_shown_batch_and_counts_its_scoring(digits):
-    mod = _combined()
+    mod = _tool('combined')
     assert mod.METHODS['hide_blf'][0] is mod.HideAndBatchLossCallback   # `lf_bench`'s method names reach the tool's classes
     cb = mod.HideAndBatchLossCallback(confidence=.5, anneal=0)
     learn, spy, drawn = _fit(digits, cb)
@@ -43,7 +45,7 @@ def test_hide_and_blf_trains_part_of_each_shown_batch_and_counts_its_scoring(dig
     assert learn.loss_filter is cb and cb.mean_lr_mult > 1   # hiding's rate raise for the epoch's fewer steps
 
 def test_hide_and_stale_leaves_out_more_than_hiding_alone(digits):
-    mod = _combined()
+    mod = _tool('combined')
     hide, *_ = _fit(digits, HideLearnedCallback(confidence=.5, anneal=0))
     both, *_ = _fit(digits, mod.HideAndStaleCallback(confidence=.5, anneal=0))
     kept = lambda learn: [s['samp_perc'] for s in learn.loss_filter.epoch_stats[1:]]
@@ -94,8 +96,6 @@ def test_the_gradient_matching_filter_trains_a_weighted_subset(digits):
     assert sizes and all(s == 16 for s in sizes)   # a quarter of each batch of 64
     assert 0 < learn.loss_filter.epoch_stats[-1]['samp_perc'] < .3
 
-TOOLS = Path(__file__).resolve().parent.parent / 'tools'
-
 def test_cifar_dry_run_finds_its_generated_folder_without_downloading_and_leaves_nothing(tmp_path):
     "`tools/cifar_dry_run.py` at a tiny size: the notebook's loaders through `untar_data`, a table of every method, no download, no folder left"
     home, user = tmp_path / 'real_home', tmp_path / 'user'   # a user's fastai folder, and home: the dry run must never touch the first
@@ -117,8 +117,7 @@ def test_cifar_dry_run_finds_its_generated_folder_without_downloading_and_leaves
     assert own.name.startswith('lf_dry_run_fastai_') and not own.exists()   # its own home is gone
 
 def test_cifar_dry_run_refuses_bad_sizes(capsys):
-    spec = importlib.util.spec_from_file_location('cifar_dry_run', TOOLS / 'cifar_dry_run.py')
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod = _tool('cifar_dry_run')
     for opt, bad, msg in (('--batches', '0', 'at least 1'), ('--warmup', '-1', 'at least 0'), ('--settings', 'fast', 'invalid choice')):
         with pytest.raises(SystemExit): mod.parse_args([opt, bad])
         assert msg in capsys.readouterr().err
