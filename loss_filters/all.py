@@ -12,8 +12,9 @@ from .batch import *
 from .sampler import *
 from .controls import *
 from .probe import *
+from .proxy import *
 from .compare import compare_filters, Comparison, load_comparison
 
 # %% ../nbs/07_all.ipynb #a11c0de4
-from . import core, base, batch, sampler, controls, probe
-__all__ = list(dict.fromkeys(n for m in (core, base, batch, sampler, probe) for n in m.__all__)) + ['compare_filters', 'Comparison', 'load_comparison']   # the controls are in batch and sampler
+from . import core, base, batch, sampler, controls, probe, proxy
+__all__ = list(dict.fromkeys(n for m in (core, base, batch, sampler, probe, proxy) for n in m.__all__)) + ['compare_filters', 'Comparison', 'load_comparison']   # the controls are in batch and sampler

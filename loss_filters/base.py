@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_base.ipynb #b3ea6523
 from __future__ import annotations
-import math, warnings
+import functools, inspect, math, warnings
 from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
@@ -18,7 +18,8 @@ from fastai.data.load import DataLoader
 from .core import *
 
 # %% auto #0
-__all__ = ['unwrapped_loader', 'orders_own_batches', 'LossFilterBase', 'FitColumns', 'LossFilterColumns', 'warn_no_op']
+__all__ = ['unwrapped_loader', 'orders_own_batches', 'LossFilterBase', 'FitColumns', 'LossFilterColumns', 'warn_no_op',
+           'by_keyword']
 
 # %% ../nbs/00a_base.ipynb #cc9e58d1
 def unwrapped_loader(dl):
@@ -151,7 +152,7 @@ class LossFilterBase(Callback):
         lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
         full = _segment_sum(lfin, seg, nb)
         self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
-        if getattr(self, 'scale_factor', 1) == 1:   # a downsampled input's loss is another quantity: `full_train_loss` leaves it out
+        if getattr(self, 'scale_factor', 1) == 1 and getattr(self, 'proxy', None) is None:   # a downsampled input's loss, or a proxy's, is another quantity: `full_train_loss` leaves it out
             self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
         self._n_bad = self._n_bad + (~ok).sum()
         share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
@@ -302,6 +303,16 @@ def warn_no_op(cb, # the filter
 def _segment_sum(values:Tensor, seg:Tensor, n:int) -> Tensor: return values.new_zeros(n).index_add_(0, seg, values)
 
 # %% ../nbs/00a_base.ipynb #b5340312
+def by_keyword(f):
+    "A `Learner` patch that takes its settings by keyword only: a positional one is refused with the settings' names (`learn.batch_loss_filter(.9)` would be ambiguous)"
+    names = [n for n, p in inspect.signature(f).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    @functools.wraps(f)
+    def _f(self, *args, **kwargs):
+        if args: raise TypeError(f"`Learner.{f.__name__}` takes its settings by keyword ({', '.join(f'{n}=...' for n in names)}, and the "
+                                 f"callback's others); got {len(args)} positional value(s): {', '.join(map(repr, args))}")
+        return f(self, **kwargs)
+    return _f
+
 @patch
 def _set_loss_filter(self:Learner, cb:LossFilterBase):
     "Add `cb`, which replaces the filter the Learner had"
@@ -338,3 +349,16 @@ def export(self:Learner, *args, **kwargs):
         self.__dict__.update(attrs)
 
 Learner.export.fastai_export = _fastai_export
+
+_fastai_fit = getattr(Learner.fit, 'fastai_fit', Learner.fit)   # fastai's own, also when this module is run twice
+
+@patch
+def fit(self:Learner, *args, **kwargs):
+    "fastai's `fit`; one that dies by any exception (`KeyboardInterrupt` too, which runs no `after_fit`) gives the loss filter's changes back at once"
+    try: return _fastai_fit(self, *args, **kwargs)
+    except BaseException:
+        for cb in self.cbs:
+            if isinstance(cb, LossFilterBase): cb._restore()   # the training loader's order and length, the rate: `get_preds` sees them next
+        raise
+
+Learner.fit.fastai_fit, Learner.fit.__signature__ = _fastai_fit, inspect.signature(_fastai_fit)

@@ -18,13 +18,14 @@ from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner, Recorder
 from fastai.data.load import DataLoader
 from .core import *
-from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loader, orders_own_batches
+from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loader, orders_own_batches, by_keyword
+from .proxy import ProxyScorer, check_score_model
 
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback', 'BatchLossFilterCallback',
-           'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader',
-           'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
+           'TopLossCallback', 'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns', 'warn_no_op',
+           'unwrapped_loader', 'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
 
 # %% ../nbs/01_batch.ipynb #aa058af1
 # the shared base's names, and the step's functions now in `core`, keep their old import path, `loss_filters.batch`
@@ -44,7 +45,7 @@ PRECISIONS = dict(full=None, bf16=torch.bfloat16, fp16=torch.float16)   # `score
 
 class LossFilterCallback(LossFilterBase):
     "Score each training batch without gradients and train only on the examples `select` keeps"
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  start:float=0., # fraction of training at which filtering starts, in [0, 1]
                  end:float=1., # fraction of training at which it stops, in [0, 1], >= `start`
                  interrupt:int=0, # a plain, unfiltered step every `interrupt` batches; 0 for never
@@ -52,15 +53,22 @@ class LossFilterCallback(LossFilterBase):
                  skip_epochs:int=0, # leave this many first epochs of each fit unfiltered (`fine_tune` runs two fits)
                  fill_batch:bool=False, # pool kept examples and train only on full batches
                  score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
-                 score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+                 score_precision:str='full', # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+                 score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model (`ProxyScorer`), trained online by the filter
+                 train_every:int=4): # with `score_model`: the proxy takes a step every `train_every` batches, on the rows the model trains on
         check_schedule(start, end, interrupt)
+        if score_model is not None:
+            check_score_model(score_model)
+            if score != 'loss': raise ValueError(f"`score={score!r}` needs the model's own output: a `score_model` scores by its loss only")
+        check_int('train_every', train_every, lo=1)
         check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
         check_int('skip_epochs', skip_epochs)
         if score_precision not in PRECISIONS:
             raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
         super().__init__(score=score)
-        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision')
+        store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision,score_model,train_every')
         self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
+        self.proxy = None      # the `ProxyScorer` of `score_model`, made at the first fit
 
     def select(self, scores:Tensor) -> Tensor:
         "Indices of the examples to train on, from their per-example `scores`"
@@ -73,6 +81,7 @@ class LossFilterCallback(LossFilterBase):
 
     def before_fit(self):
         super().before_fit()
+        if self.run and self.score_model is not None: self._proxy_fit()
         if self.run and self.fill_batch and orders_own_batches(self.dls.train):
             raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
                              "it orders its own batches (a `SortedDL` pads each to its own length, longest first), and pooled "
@@ -81,6 +90,44 @@ class LossFilterCallback(LossFilterBase):
     def before_train(self):
         super().before_train()
         self._find_fit_parts()
+
+    def _proxy_fit(self):
+        "Make the proxy's scorer at the first fit (it keeps learning over the next ones), on the model's device, with an optimizer like the model's"
+        learn = self.learn
+        check_score_model(self.score_model, learn.model)
+        if dist_world()[1] > 1:
+            raise ValueError(f"{type(self).__name__} with a `score_model` cannot run with several processes: each rank's proxy would learn "
+                             "from its own batches and drift from the others; train on one process, or score with the model itself")
+        dev = next(learn.model.parameters()).device
+        if self.proxy is None or self.proxy.loss_func is not learn.loss_func:
+            self.score_model.to(dev)
+            params = [p for p in self.score_model.parameters() if p.requires_grad]
+            opt = learn.opt_func(params, lr=learn.lr)   # the Learner's kind of optimizer; its rate and momentum follow the Learner's each step
+            self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=opt, train_every=self.train_every, scale_factor=self.scale_factor)
+        self.proxy.model.to(dev)
+        self.fit_proxy = [self.proxy.n_scored, self.proxy.n_trained]   # the counts at the fit's start
+
+    def proxy_work(self) -> tuple:
+        "(examples the proxy scored without a graph, examples it scored and trained on) in this fit; (0, 0) without a `score_model`"
+        if self.proxy is None or not hasattr(self, 'fit_proxy'): return 0, 0
+        return self.proxy.n_scored - self.fit_proxy[0], self.proxy.n_trained - self.fit_proxy[1]
+
+    def _proxy_learns(self, idxs:Tensor|None):
+        "The proxy learns from the rows the model trains on (`idxs`; None: the whole batch, scored now if the proxy trains on it), after the model's step"
+        px = self.proxy
+        if idxs is None:
+            if not px.due: px.skip(); return
+            px.score(self.learn.xb, self.learn.yb)
+        self._proxy_rows = idxs
+
+    def after_batch(self):
+        "The proxy's step on the batch it trains on, at the hyper-parameters the model's step used (the scheduler sets them after the filter's `before_batch`)"
+        px = self.proxy
+        if px is None or not px.pending or not self.training: return
+        hypers = getattr(self.learn.opt, 'hypers', None)
+        if hypers and hasattr(px.opt, 'hypers'):   # a fastai optimizer: the rate and momentum of the model's last parameter group
+            for h in px.opt.hypers: h.update(hypers[-1])
+        px.learn(self._proxy_rows)
 
     def _new_records(self):
         super()._new_records()
@@ -129,8 +176,11 @@ class LossFilterCallback(LossFilterBase):
         return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
 
     def score_batch(self) -> tuple:
-        "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace (`score_examples`)"
+        "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace (`score_examples`), or from the proxy"
         learn = self.learn
+        if self.proxy is not None:
+            losses = self.proxy.score(learn.xb, learn.yb)
+            return losses, losses
         losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
                                         after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
         self.fit_scored += losses.shape[0]
@@ -141,6 +191,7 @@ class LossFilterCallback(LossFilterBase):
         "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
         self._checked = True
         map_batch(noop, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
+        if self.proxy is not None: self.proxy.check(self.learn.xb, self.learn.yb)   # its output fits the loss
 
     def _check_step_losses(self):
         "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
@@ -154,6 +205,7 @@ class LossFilterCallback(LossFilterBase):
         self.n_seen += bs
         idxs = self._selected(bs) if self.is_active() else None
         if idxs is None: self.n_kept += bs
+        if self.proxy is not None: self._proxy_learns(idxs)
         self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
         # the rows of the batch this step trains on (None: all of them, or a pooled batch of other rows): `GradientProbeCallback` reads it
         self.step_idxs = idxs if not self.fill_batch and idxs is not None and len(idxs) < bs else None
@@ -225,7 +277,7 @@ class BatchPool:
 class SelectiveBackpropCallback(LossFilterCallback):
     "Selective Backprop: train on a share `keep` of each batch, drawn with probability rising with the loss rank"
     same_count = True   # `max(1, int(keep*n))` of every batch: the ranks' equal batches stay equal
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  keep:float=.5, # share of each batch kept for the backward pass, in (0, 1]
                  start:float=.5, # fraction of training at which selection starts
                  end:float=.9, # fraction of training at which it stops
@@ -233,11 +285,13 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  scale_factor:float=1., # downsampling of image inputs for the scoring pass, in (0, 1]
                  fill_batch:bool=False, # pool kept examples and train only on full batches, as in the paper
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
-                 score_precision:str='full'): # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+                 score_precision:str='full', # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+                 score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model, trained online
+                 train_every:int=4): # with `score_model`: a step of the proxy every `train_every` batches
         check_range('keep', keep, 0, 1, lo_open=True)
         if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
-                         score_precision=score_precision)
+                         score_precision=score_precision, score_model=score_model, train_every=train_every)
         self.keep = keep
 
     def is_active(self): return self.keep < 1 and super().is_active()
@@ -247,7 +301,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
 @delegates()
 class BatchLossFilterCallback(LossFilterCallback):
     "Batch Loss Filter: from epoch `skip_epochs` of each fit on, train on the highest-loss examples carrying `min_loss_perc` of each batch's loss"
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  min_sample_perc:float=0., # keep at least this share of each batch, in [0, 1]
                  min_loss_perc:float=.9, # keep the hardest examples carrying this share of the loss, in (0, 1]
                  skip_epochs:int=1, # like the original, leave the first epoch of each fit unfiltered: a 1-epoch fit (and both of `fine_tune(1)`'s) filters nothing, and says so
@@ -260,17 +314,35 @@ class BatchLossFilterCallback(LossFilterCallback):
         store_attr('min_sample_perc,min_loss_perc')
     def select(self, scores): return select_by_loss_share(scores, self.min_loss_perc, self.min_sample_perc)
 
+# %% ../nbs/01_batch.ipynb #8b548794
+@delegates()
+class TopLossCallback(LossFilterCallback):
+    "airbench's rule: train on the share `keep` of each batch with the highest losses, from the first step (best with a `score_model`)"
+    same_count = True   # `max(1, round(keep*n))` of every batch
+    def __init__(self, *, # settings by keyword only
+                 keep:float=.5, # share of each batch kept for the backward pass, in (0, 1]
+                 **kwargs): # `start`, `end`, `interrupt`, `skip_epochs`, `scale_factor`, `fill_batch`, `score`, `score_precision`, `score_model`, `train_every` of `LossFilterCallback`
+        check_range('keep', keep, 0, 1, lo_open=True)
+        _check_kwargs(type(self), kwargs)
+        if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
+        super().__init__(**kwargs)
+        self.keep = keep
+    def is_active(self): return self.keep < 1 and super().is_active()
+    def select(self, scores): return select_top_k(scores, self.keep)
+
 # %% ../nbs/01_batch.ipynb #1f563ae3
 class RandomBatchCallback(LossFilterCallback):
     "Control for batch filters: train on a uniformly random share `keep` of each filtered batch, on a filter's schedule"
     same_count = True   # `max(1, round(keep*n))` of every batch
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  keep:float=.5, # share of each filtered batch kept, in (0, 1]
                  start:float=0., end:float=1., interrupt:int=0, skip_epochs:int=0, # the schedule of the filter it controls
-                 fill_batch:bool=False): # pool kept examples into full batches, as the filter does
+                 fill_batch:bool=False, # pool kept examples into full batches, as the filter does
+                 score_model:nn.Module|None=None, train_every:int=4): # a proxy scorer, trained as the filter trains its own (its scores unused)
         check_range('keep', keep, 0, 1, lo_open=True)
         if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
-        super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch)
+        super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch, score_model=score_model,
+                         train_every=train_every)
         self.keep = keep
 
     def select(self, scores): return select_at_random(scores, self.keep, generator=getattr(self, 'gen', None))
@@ -278,14 +350,23 @@ class RandomBatchCallback(LossFilterCallback):
 # %% ../nbs/01_batch.ipynb #255d746b
 @patch
 @delegates(BatchLossFilterCallback)
-def batch_loss_filter(self:Learner, min_sample_perc:float=0., min_loss_perc:float=.9, **kwargs):
+@by_keyword
+def batch_loss_filter(self:Learner, *, min_sample_perc:float=0., min_loss_perc:float=.9, **kwargs):
     "Train on the highest-loss examples of each batch carrying `min_loss_perc` of its loss (`BatchLossFilterCallback`)"
-    cb = BatchLossFilterCallback(min_sample_perc, min_loss_perc, **kwargs)   # bad settings fail before the Learner is touched
+    cb = BatchLossFilterCallback(min_sample_perc=min_sample_perc, min_loss_perc=min_loss_perc, **kwargs)   # bad settings fail before the Learner is touched
     return self._set_loss_filter(cb)
 
 @patch
 @delegates(SelectiveBackpropCallback)
-def selective_backprop(self:Learner, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, **kwargs):
+@by_keyword
+def selective_backprop(self:Learner, *, keep:float=.5, start:float=.5, end:float=.9, interrupt:int=2, **kwargs):
     "Train on a rank-weighted sample of a share `keep` of each batch (`SelectiveBackpropCallback`)"
-    cb = SelectiveBackpropCallback(keep, start, end, interrupt, **kwargs)
+    cb = SelectiveBackpropCallback(keep=keep, start=start, end=end, interrupt=interrupt, **kwargs)
     return self._set_loss_filter(cb)
+
+@patch
+@delegates(TopLossCallback)
+@by_keyword
+def top_loss(self:Learner, *, keep:float=.5, **kwargs):
+    "Train on the share `keep` of each batch with the highest losses (`TopLossCallback`); pass a small `score_model` to score without the model"
+    return self._set_loss_filter(TopLossCallback(keep=keep, **kwargs))

@@ -39,14 +39,18 @@ PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=F
                aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9'))
 
-MODELS = dict(cnn=lambda x, c: simple_cnn(n_in=x.shape[1], n_out=c),        # the bench CNN
-              mlp=lambda x, c: simple_mlp(n_in=x[0].numel(), n_out=c),      # a cheap model: the filters' fixed costs show
-              wrn=lambda x, c: WideResNet(num_groups=2, N=1, num_classes=c, k=1, start_nf=16, n_in=x.shape[1]))   # residual
+def _widths(ws:tuple, share:float) -> tuple: return tuple(max(1, round(w * share)) for w in ws)
 
-def make_model(name:str, dls) -> nn.Module:
-    "The bench model `name` (one of `MODELS`) sized for the inputs and classes of `dls`"
+# each bench model from an input batch `x`, the classes `c` and a share `w` of its widths (`w < 1`: a proxy of the same family)
+MODELS = dict(cnn=lambda x, c, w=1.: simple_cnn(n_in=x.shape[1], n_out=c, widths=_widths((32, 64, 128), w)),    # the bench CNN
+              mlp=lambda x, c, w=1.: simple_mlp(n_in=x[0].numel(), n_out=c, widths=_widths((256, 128), w)),     # a cheap model: the filters' fixed costs show
+              wrn=lambda x, c, w=1.: WideResNet(num_groups=2, N=1, num_classes=c, k=1, start_nf=max(1, round(16 * w)), n_in=x.shape[1]))   # residual
+
+def make_model(name:str, dls, width:float=1.) -> nn.Module:
+    "The bench model `name` (one of `MODELS`) sized for the inputs and classes of `dls`, at a share `width` of its widths (a proxy for it when < 1)"
     if name not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {name!r}")
-    return MODELS[name](dls.one_batch()[0], dls.c)
+    check_range('width', width, 0, 1, lo_open=True)
+    return MODELS[name](dls.one_batch()[0], dls.c, width)
 
 def bench_learner(dls, model:str='cnn') -> Learner:
     "A new Learner of the bench `model` on `dls`: cross-entropy, accuracy"
@@ -98,9 +102,10 @@ def _acting(cb_cls, kw:dict) -> dict:
 
 def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
     "Seconds per batch of each piece of a filtered step (the filter driven through its own events), and its own work beside the model as a share of a plain step"
-    _, cb_cls, kw, _ = parse_method(spec)
+    _, cb_cls, kw, run = parse_method(spec)
     set_seed(seed)
     learn = bench_learner(dls, model)
+    if 'proxy' in run: kw = kw | dict(score_model=make_model(model, dls, run['proxy']))   # the proxy scores, the model runs no scoring pass
     cb, net, n_epoch = cb_cls(**_acting(cb_cls, kw)), learn.model, len(dls.train)
     learn.add_cb(cb); learn.create_opt(); net.train()
     b = dls.train.one_batch()
@@ -167,7 +172,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
          bs:int=None, # batch size; default: the preset's
          lr:float=None, # maximum learning rate of `fit_one_cycle`; default: the preset's
-         methods:str=None, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2"; default: the preset's
+         methods:str=None, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2 topk:proxy=.25" (`proxy=`: scored by the model at that share of its widths); default: the preset's
          seed:int=0, # seed for the model initialisation and the data order
          out:str='bench_out', # folder for results.json and the plots
          repeats:int=1, # runs of every method (interleaved); medians and spreads when > 1
@@ -183,7 +188,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
-         quiet:bool=False, # no fastai progress bars or per-epoch tables
+         quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
          resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
          alpha:float=.05): # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
     "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
@@ -214,9 +219,9 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     cost = saved_cost if saved_cost is not None else measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
     if score_cost is None and saved_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
     def announce(s, sd, rep, kind): print(f"\n== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
-    cmp = compare_filters(make, methods, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
+    cmp = compare_filters(make, methods, make_proxy=partial(make_model, model, dls), epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
                           lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch, check=valid_accuracy,
-                          score_cost=cost, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet,
+                          score_cost=cost, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet and sys.stdout.isatty(),
                           diagnostics=True, warmup=False, add_baseline=False, alpha=alpha)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
     scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)
@@ -231,12 +236,14 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     (out / 'results.json').write_text(json.dumps(res, indent=1))
     plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
     if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
-    print(f"\nTarget accuracy {tgt:.4f}. Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
-          f"each); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} repeat(s), ±spread (max - min); "
-          f"the x columns are paired ratios (each run over the same seed's baseline; vs_best_plain over the cheapest plain schedule), geometric means; "
-          f"_ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over the {seeds} seed(s); every verdict a one-sided test at {pct_text(alpha)}")
-    print(format_table(rows))
-    for line in verdict_lines(rows, budget_runs, control_of) + cmp.payoffs(): print(line)
+    (out / 'table.txt').write_text(
+        f"Target accuracy {tgt:.4f}. Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
+        f"each, plus a proxy's examples at their measured cost); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} "
+        f"repeat(s), ±spread (max - min); the x columns are paired ratios (each run over the same seed's baseline; vs_best_plain over the cheapest "
+        f"plain schedule), geometric means, above 1x when the method needed less; _ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over "
+        f"the {seeds} seed(s); every verdict a one-sided test at {pct_text(alpha)}\n" + format_table(rows) + '\n'
+        + '\n'.join(verdict_lines(rows, budget_runs, control_of) + cmp.payoffs()) + '\n')
+    print(f"\n{cmp}\n\n{cmp.brief()}\n\n" + '\n'.join(cmp.payoffs()) + f"\n\nEvery figure of every run and control, and every verdict: {out / 'table.txt'}")
     for s, p in prof.items():
         print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
               f"own work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (its batch step {p['before_batch']*1e3:.3f} "

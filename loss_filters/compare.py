@@ -4,15 +4,16 @@
 
 # %% ../nbs/11_compare.ipynb #64689ed7
 from __future__ import annotations
-import json, platform
+import json, platform, sys, textwrap, time, warnings
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
 from fastai.basics import Learner, Callback, CancelFitException
-from fastprogress.fastprogress import progress_bar
+from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
-from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, StopAfter
-from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs,
+from .base import LossFilterBase
+from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, seeded_proxy, StopAfter
+from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
                                    best_plain, verdict_lines, payoff_line, payoff_word, format_table, ci_text, ci_level, ratio_text, pct_text)
 from .plots import budget_figure, time_figure, save_figure
 
@@ -49,7 +50,7 @@ class Comparison:
             d = dict(method=r['method'])
             for col, k in _shown: d[f'final_{self.metric}' if col == 'final' else col] = self.sign * r['final_accuracy'] if k is None else r.get(k)
             for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(self.rows))] = ci_text(d.pop(k))   # t intervals over seeds
-            for k in ('vs_budget', 'vs_random'): d[k] = f"{r[k]['diff'] * 100 * self.sign:+.2f} {r[k]['verdict']}" if r.get(k) else None
+            for k in ('vs_budget', 'vs_random', 'vs_self'): d[k] = f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else None   # + is better
             out.append(d)
         return pd.DataFrame(out).set_index('method')
 
@@ -62,15 +63,30 @@ class Comparison:
         "The verdicts as a short text table, one line per method (the controls left out): seeds, work ratios with their intervals, the payoff, the accuracy verdicts"
         lvl, has = ci_level(self.rows), bool(self.budgets)
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
-        pts = lambda v: f"{v['diff'] * 100 * self.sign:+.2f} {v['verdict']}" if v else '-'
-        held = lambda v: '-' if not v else f"{v['diff'] * 100 * self.sign:+.2f} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
+        pts = lambda v: f"{v['diff'] * 100:+.2f} {v['verdict']}" if v else '-'   # points of the metric, + better, as in the payoff lines
+        held = lambda v: '-' if not v else f"{v['diff'] * 100:+.2f} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
+        rows = [r for r in self.rows if r['method'] not in skip]
+        own = any(r.get('vs_self') for r in rows)   # a proxy-scored method: against the same filter scored by the model
         cols = ['method', 'seeds', 'reached', 'work_x', f'ci{lvl}', 'vs_training_less', f'ci{lvl}',
-                f"payoff{'' if has else '_vs_plain'}_at_{pct_text(self.alpha)}", 'vs_plain_points', 'equal_work_points', 'vs_random_points']
-        out = [cols] + [[r['method'], str(r.get('seeds', 1)), f"{r['reached']}/{r['repeats']}", ratio_text(r.get('work_x')), ci_text(r.get('work_x_ci')) or '-',
-                         ratio_text(r.get('vs_best_plain_work_x')), ci_text(r.get('vs_best_plain_work_ci')) or '-', payoff_word(r, has),
-                         held(r.get('vs_plain')), pts(r.get('vs_budget')), pts(r.get('vs_random'))] for r in self.rows if r['method'] not in skip]
-        w = [max(len(row[i]) for row in out) for i in range(len(cols))]
-        return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in out)
+                f"payoff{'' if has else '_vs_plain'}_at_{pct_text(self.alpha)}", 'vs_plain_points', 'equal_work_points', 'vs_random_points'] + ['vs_self_scored_points'] * own
+        return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), f"{r['reached']}/{r['repeats']}", ratio_text(r.get('work_x')), ci_text(r.get('work_x_ci')) or '-',
+                                      ratio_text(r.get('vs_best_plain_work_x')), ci_text(r.get('vs_best_plain_work_ci')) or '-', payoff_word(r, has),
+                                      held(r.get('vs_plain')), pts(r.get('vs_budget')), pts(r.get('vs_random'))] + [pts(r.get('vs_self'))] * own for r in rows])
+
+    def short(self) -> str:
+        "What to read first, in a terminal's width: the setting in a sentence, a small table of the payoffs, how to get the rest"
+        lvl, has = ci_level(self.rows), bool(self.budgets)
+        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
+        better = 'lower' if self.sign < 0 else 'higher'
+        how = 'given' if self.settings.get('fixed_target') else f"the plain model's median final value, {self.settings.get('target_drop', .002):g} worse"
+        head = f"Compared on {self.metric} ({better} is better) over {_seeds(self.settings['seeds'])}, to the target {self.target_value:.4f} ({how}); tests at {pct_text(self.alpha)}."
+        what = ("'less work' is the plain side's work to the target over the method's, paired by seed: above 1x the method got there with less; "
+                "the plain side is " + ('the cheapest shorter plain schedule (training less).' if has else 'the plain model (training less was not run).'))
+        table = _text_table([['method', 'reached target', 'less work', f'{lvl}% interval', 'payoff']] +
+                            [[r['method'], f"{r['reached']} of {r['repeats']}", ratio_text(_payoff_x(r, has)), ci_text(_payoff_ci(r, has)) or '-', payoff_word(r, has)]
+                             for r in self.rows if r['method'] not in skip])
+        return '\n'.join([textwrap.fill(head, 100), textwrap.fill(what, 100), '', table, '',
+                          'More: cmp.brief() (accuracy verdicts), cmp.verdicts (in words), cmp.table (every figure).'])
 
     @property
     def verdicts(self) -> list:
@@ -98,9 +114,23 @@ class Comparison:
         names = (['accuracy_vs_budget.png'] if self.budgets else []) + ['accuracy_vs_time.png']
         return [folder / 'results.json'] + [save_figure(f, folder / n) for f, n in zip(self.plot(), names)]
 
-    def __repr__(self):
-        return (f"Comparison on {self.metric} (target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at {pct_text(self.alpha)}\n"
-                + format_table(self.rows) + '\n' + '\n'.join(self.verdicts))
+    def full_text(self) -> str:
+        "Every figure of every method and control as a wide text table, then every verdict in words"
+        better = 'lower' if self.sign < 0 else 'higher'
+        return (f"Comparison on {self.metric} ({better} is better; target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at "
+                f"{pct_text(self.alpha)}; differences in points of {self.metric}, + better\n"
+                + format_table(self.rows, self.metric, self.sign) + '\n' + '\n'.join(self.verdicts))
+
+    def __repr__(self): return self.short()
+
+def _text_table(rows:list) -> str:
+    "Rows of strings as left-aligned columns"
+    w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in rows)
+
+def _payoff_x(r:dict, has_budgets:bool): return r.get('vs_best_plain_work_x') if has_budgets else r.get('work_x')
+def _payoff_ci(r:dict, has_budgets:bool): return r.get('vs_best_plain_work_ci') if has_budgets else r.get('work_x_ci')
+def _seeds(n:int) -> str: return f"{n} seed{'s' if n != 1 else ''}"
 
 # %% ../nbs/11_compare.ipynb #7fd53d59
 def _metric_names(learn) -> list: return ['valid_loss'] + [m.name for m in learn.metrics]
@@ -114,6 +144,9 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
     if a is b or a.model is b.model:
         raise ValueError("`make_learner` returned the same Learner (or the same model) twice: it must build a new Learner and model on every call, "
                          "or each method would start from the weights the previous one trained")
+    if filt := next((cb for cb in a.cbs if isinstance(cb, LossFilterBase)), None):
+        raise ValueError(f"`make_learner` returns a Learner with a loss filter on it ({type(filt).__name__}): the plain model and every control "
+                         "would be filtered too; build the Learner without a filter and name the filter in `methods`")
     names = _metric_names(a)
     metric = metric or (names[1] if len(names) > 1 else 'valid_loss')
     if metric not in names: raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
@@ -127,6 +160,13 @@ def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, 
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     for f in budgets.split():
         if not 0 < float(f) < 1: raise ValueError(f"`budgets` must be shares of the epochs in (0, 1), got {f!r}")
+
+def _warn_coarse_target(metric:str, target_drop:float, n_valid:int):
+    "Warn when the default target sits less than one validation example below the plain model's final value of a share metric (accuracy, error rate)"
+    if not any(w in metric.lower() for w in ('accuracy', 'error')) or not n_valid or target_drop >= 1 / n_valid: return
+    warnings.warn(f"`target_drop`={target_drop:g} is finer than one of the {n_valid} validation examples ({1 / n_valid:.4f} of `{metric}`): "
+                  f"the target is then the plain model's final value less a fraction of an example, which noise crosses early; "
+                  f"pass `target_drop` of at least {1 / n_valid:.4f}, or more validation data", stacklevel=3)
 
 # %% ../nbs/11_compare.ipynb #7254583b
 _RUN_KEYS = ('epochs', 'lr', 'metric', 'sign', 'evals_per_epoch', 'score_cost')
@@ -151,17 +191,19 @@ def _budget_share(epochs:int, budgets:str) -> float:
     "The shorter plain schedules' epochs, in full schedules"
     return sum(int(b.split('=')[1]) for b in budget_specs(epochs, budgets)) / epochs
 
-def _duration(s:float) -> str: return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
+def _duration(s:float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
 def estimate_text(first_s:float, fits:float, saved:int=0) -> str:
-    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each"
-    return (f"compare_filters: a full-schedule fit takes about {_duration(first_s)} here; the comparison"
-            + (f" ({saved} runs reused from the folder)" if saved else '') + f" needs about {fits:.0f} more, about {_duration(first_s * fits)} on this machine")
+    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each (its building, training and checks)"
+    return (f"compare_filters: a full-schedule fit takes about {_duration(first_s)} here, with its Learner's building and checks; the comparison"
+            + (f" ({saved} runs reused from the folder)" if saved else '')
+            + f" needs the time of about {fits:.0f} more such fits, about {_duration(first_s * fits)} on this machine")
 
 # %% ../nbs/11_compare.ipynb #64dadaf3
 def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float=.002) -> Comparison:
     "The `Comparison` of `runs`: summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
-    alpha = settings.get('alpha', .05)
+    alpha, settings = settings.get('alpha', .05), settings | dict(target_drop=target_drop, fixed_target=target is not None)
     rows, tgt = summarise(runs, target, target_drop, alpha)
     add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in runs}), tgt, runs=runs, alpha=alpha)
     return Comparison(runs, rows, tgt, budgets, control_of, settings)
@@ -176,7 +218,7 @@ def _found_controls(runs:list) -> tuple:
     names = list(dict.fromkeys(r['method'] for r in runs))
     budgets = [m for m in names if m.startswith('baseline:epochs=')]
     def found(m):
-        cs = [c for c in (matched_control(m, runs), rate_control(m, runs)) if c in names]
+        cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
         if not any(c.startswith('random') for c in cs):   # runs saved without the kept shares: the random control on the same settings
             spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
             like = [n for n in names if spec and _like(n, spec)]
@@ -212,7 +254,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
 
 # %% ../nbs/11_compare.ipynb #ab5ad80b
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
-                    methods:str='baseline blf stale hide', # space-separated methods, spelled as `lf_bench`'s: `"baseline blf sb:keep=.3"`
+                    methods:str|list='baseline blf stale hide', # methods, space-separated or a list, spelled as `lf_bench`'s: `"baseline blf sb:keep=.3 topk:proxy=.25"`
                     epochs:int=5, # epochs of the full schedule (a method's own `epochs=` overrides it)
                     lr:float=1e-3, # (maximum) learning rate of the fit
                     seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
@@ -237,20 +279,28 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     diagnostics:bool=False, # save each filter's diagnostics figure of the first seed in `folder`
                     warmup:bool=True, # a few untimed steps first, so the first run does not pay for start-up
                     add_baseline:bool=True, # train the plain model first when `methods` lacks it (the default target needs it)
-                    alpha:float=.05 # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
+                    alpha:float=.05, # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
+                    make_proxy=None # `make_proxy(width) -> nn.Module`: the small model scoring a method spelled with `proxy=width` (`"blf:proxy=.25"`)
                    ) -> Comparison:
     "Train the plain model and every method from the same seeds on Learners from `make_learner`, with the controls, and judge each"
-    specs = methods.split()
-    for s in specs: parse_method(s)
+    specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
+    widths = sorted({run['proxy'] for s in specs for run in [parse_method(s)[3]] if 'proxy' in run})
+    if widths and make_proxy is None: raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s)} score by a proxy: pass `make_proxy`, "
+                                                       "a function of the width share that returns the proxy model")
     if add_baseline and 'baseline' not in specs: specs.insert(0, 'baseline')   # the target and every paired ratio need the plain model
     _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha)
     metric, probe = _check_factory(make_learner, metric)
+    if target is None: _warn_coarse_target(metric, target_drop, len(probe.dls.valid_ds))
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
                     evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha)
     done = _saved_runs(folder, settings, resume)
     if done: settings['score_cost'] = json.loads((folder / 'comparison.json').read_text())['score_cost']   # the saved runs' cost
     if settings['score_cost'] is None: settings['score_cost'] = learner_score_cost(probe)
+    saved_px = json.loads((folder / 'comparison.json').read_text()).get('proxy_cost', {}) if done else {}
+    settings['proxy_cost'] = {str(w): saved_px.get(str(w)) or learner_proxy_cost(probe, seeded_proxy(make_proxy, w, seed)) for w in widths}
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
     if warmup and len(done) == 0:
         with probe.no_bar(), probe.no_logging(): probe.fit(1, lr, cbs=StopAfter(3))
@@ -262,7 +312,8 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     fits = len(seed_list) * repeats * (sum(_epochs_of(s, epochs) for s in specs) / epochs
                                        + (_budget_share(epochs, budgets) + n_filters if controls else 0))
     timed_first = []
-    pbar = progress_bar(range(n_est), leave=False) if show_progress and not show_fits else None
+    bar_ok = IN_NOTEBOOK or sys.stdout.isatty()   # to a file or a pipe, a console bar's redraws would be written line after line
+    pbar = progress_bar(range(n_est), leave=False) if show_progress and not show_fits and bar_ok else None
     if pbar is not None: pbar.update(0)
     def run_all(todo:list, kind:str):
         for sd in seed_list:
@@ -273,11 +324,13 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                         if on_run is not None: on_run(s, sd, rep, kind)
                         if pbar is not None: pbar.comment = f"{s}, seed {sd}" + (f", repeat {rep + 1}" if repeats > 1 else '')
                         diag = folder if diagnostics and folder is not None and sd == seed and rep == 0 and kind == 'method' else None
+                        t0 = time.perf_counter()
                         r = run_fit(make_learner, s, epochs=epochs, lr=lr, seed=sd, fit=fit, metric=metric, sign=sign,
-                                    evals_per_epoch=evals_per_epoch, check=check, show_progress=show_fits, diag=diag, cbs=cbs)
-                        runs.append(add_work(r | dict(seed=sd, repeat=rep), settings['score_cost']))
+                                    evals_per_epoch=evals_per_epoch, check=check, show_progress=show_fits, diag=diag, cbs=cbs, make_proxy=make_proxy)
+                        w = parse_method(s)[3].get('proxy')
+                        runs.append(add_work(r | dict(seed=sd, repeat=rep), settings['score_cost'], settings['proxy_cost'].get(str(w))))
                         if not timed_first:   # the first fit trained here: what the rest will take
-                            timed_first.append(r['wall_s'] * epochs / _epochs_of(s, epochs))
+                            timed_first.append((time.perf_counter() - t0) * epochs / _epochs_of(s, epochs))   # the whole call: the Learner built, fit, checked
                             print(estimate_text(timed_first[0], fits * (1 - len(done) / max(n_est, 1)) - _epochs_of(s, epochs) / epochs, len(done)))
                         if folder is not None:
                             with open(folder / 'runs.jsonl', 'a') as f: f.write(json.dumps(runs[-1]) + '\n')
@@ -287,7 +340,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     budget_runs, control_of = [], {}
     if controls:   # after the methods: a random control needs the share its method really kept, a rate control its rate
         budget_runs = [b for b in budget_specs(epochs, budgets) if b not in specs]
-        control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs)) if c])}
+        control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs), self_scored_control(s)) if c])}
         run_all(budget_runs + [c for c in control_specs(control_of) if c not in specs], 'control')
     if pbar is not None: pbar.total = len(runs); pbar.update(len(runs))
     return judge(runs, budget_runs, control_of, settings, None if target is None else sign * target, target_drop)

@@ -12,10 +12,11 @@ from torch import nn, Tensor
 # %% auto #0
 __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample_loss', 'loss_and_grad_norm',
            'per_sample_grad_norm', 'check_score', 'loss_and_score', 'ScoreHistogram', 'acc_dtype', 'select_by_rank',
-           'select_by_loss_share', 'at_least_two', 'prune_by_stale_loss', 'hide_learned', 'share_by_rate',
-           'prune_at_random', 'select_at_random', 'reweighted_loss', 'plain', 'map_batch', 'take', 'frozen_norm_stats',
-           'downsample', 'score_examples', 'check_schedule', 'should_select', 'dist_world', 'all_reduce_sum',
-           'own_generator', 'per_example_gramian', 'gram_norm', 'gram_cos', 'directional_derivatives', 'step_alpha']
+           'select_by_loss_share', 'select_top_k', 'at_least_two', 'prune_by_stale_loss', 'hide_learned',
+           'share_by_rate', 'prune_at_random', 'select_at_random', 'reweighted_loss', 'plain', 'map_batch', 'take',
+           'frozen_norm_stats', 'downsample', 'score_examples', 'check_schedule', 'should_select', 'dist_world',
+           'all_reduce_sum', 'own_generator', 'per_example_gramian', 'gram_norm', 'gram_cos', 'directional_derivatives',
+           'step_alpha']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -263,6 +264,15 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
     if negative: raise ValueError("`losses` must be non-negative for `select_by_loss_share`: loss shares are undefined otherwise")
     k = max(n_loss, n_bad, _count(min_sample_perc, n, math.ceil), 1)
     return order[:min(k, n)]
+
+def select_top_k(losses:Tensor, # per-example losses, shape `[n]`
+                 keep:float=.5 # share of the batch to keep, in (0, 1]
+                ) -> Tensor: # indices of the `max(1, round(keep*n))` highest losses, hardest first
+    "airbench's rule: the examples with the highest losses, a fixed share of the batch, no randomness"
+    _check_losses(losses)
+    check_range('keep', keep, 0, 1, lo_open=True)
+    n = losses.shape[0]
+    return torch.sort(_sortable(losses), descending=True, stable=True).indices[:max(1, _count(keep, n, round))]
 
 # %% ../nbs/00_core.ipynb #8a80d0eb
 def at_least_two(idxs:Tensor, # indices a selector kept

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_data.ipynb #e9934164
 from __future__ import annotations
-import gzip, os, urllib.request, warnings, zlib
+import gzip, math, os, urllib.request, warnings, zlib
 from pathlib import Path
 import numpy as np, torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -104,11 +104,17 @@ class TensorSet:
     def __len__(self): return len(self.tensors[0])
     def __getitem__(self, i): return tuple(t[i] for t in self.tensors)
     def new_empty(self): return TensorSet(*(t[:0] for t in self.tensors), c=self.c, n_inp=self.n_inp)
+    @classmethod
+    def from_items(cls, items, c:int|None=None, n_inp:int=1):
+        "The items of a list (tensors, or tuples of them: `learn.predict`'s and `dls.test_dl`'s items) stacked into a `TensorSet`"
+        items = [i if isinstance(i, (tuple, list)) else (i,) for i in items]
+        return cls(*(torch.stack([torch.as_tensor(x) for x in col]) for col in zip(*items)), c=c, n_inp=n_inp)
 
 class TensorDL(DataLoader):
     "A fastai `DataLoader` over a `TensorSet` that cuts whole batches by indexing"
     def __init__(self, dataset:TensorSet, bs:int=64, shuffle:bool=False, drop_last:bool|None=None, **kwargs):
         kwargs['num_workers'] = 0   # batches are cut in the main process: nothing to parallelise
+        if not isinstance(dataset, TensorSet): dataset = TensorSet.from_items(dataset)   # `test_dl`, `predict`: a list of inputs
         super().__init__(dataset, bs=bs, shuffle=shuffle, drop_last=shuffle if drop_last is None else drop_last, **kwargs)
     def create_batches(self, samps):
         idxs = torch.as_tensor(list(samps), dtype=torch.long)
@@ -116,6 +122,34 @@ class TensorDL(DataLoader):
         for i in range(0, stop, self.bs):
             b = idxs[i:i + self.bs]
             yield tuple(t[b.to(t.device)] for t in self.dataset.tensors)
+
+    def decode_batch(self, b, max_n:int=9, full:bool=True) -> list:
+        "The batch `b` as a list of per-example tuples (the tensors need no decoding), as `learn.predict` reads it"
+        return [tuple(t[i] for t in b) for i in range(min(max_n, len(b[0])))]
+    def decode(self, b): return b
+
+    def show_batch(self, b=None, max_n:int=9, ctxs=None, show:bool=True, **kwargs):
+        "Images of a batch (one by default) with their labels"
+        return self._show(self.one_batch() if b is None else b, None, max_n)
+    def show_results(self, b, out, max_n:int=9, ctxs=None, show:bool=True, **kwargs):
+        "Images of a batch with their labels and the model's predictions (`learn.show_results`)"
+        return self._show(b, out, max_n)
+    def _show(self, b, out, max_n:int):
+        import matplotlib.pyplot as plt
+        x, y = b[0], b[self.dataset.n_inp] if len(b) > self.dataset.n_inp else None
+        if x.ndim != 4: raise ValueError(f"a `TensorDL` shows images (a batch of shape [n, channels, height, width]), got inputs of shape {tuple(x.shape)}")
+        n = min(max_n, len(x)); cols = math.ceil(math.sqrt(n))
+        fig, axs = plt.subplots(math.ceil(n / cols), cols, figsize=(2 * cols, 2 * math.ceil(n / cols)), squeeze=False)
+        for i, ax in enumerate(axs.flat):
+            ax.axis('off')
+            if i >= n: continue
+            img = x[i].detach().float().cpu()
+            ax.imshow(img[0] if img.shape[0] == 1 else img.permute(1, 2, 0).clamp(0, 1), cmap='gray' if img.shape[0] == 1 else None)
+            title = '' if y is None else f"{int(y[i])}"
+            if out is not None: title += f" / {int(out[i])}"
+            ax.set_title(title, color='black' if out is None or y is None or int(y[i]) == int(out[i]) else 'red')
+        fig.suptitle('label' + (' / prediction' if out is not None else ''))
+        return fig
 
 # %% ../nbs/02_data.ipynb #de6901ae
 def tensor_dls(x_train:Tensor, y_train:Tensor, x_valid:Tensor, y_valid:Tensor,

@@ -16,7 +16,7 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from .core import (per_example_gramian, gram_cos, gram_norm, directional_derivatives, step_alpha, check_int,
                                dist_world, own_generator)
-from .base import LossFilterBase, FitColumns
+from .base import LossFilterBase, FitColumns, by_keyword
 
 # %% auto #0
 __all__ = ['spearman', 'ProbeColumns', 'GradientProbeCallback']
@@ -53,7 +53,7 @@ class GradientProbeCallback(Callback):
     "Every `every`-th training batch: the step's gradient against the batch's and random choices of its size (Gramian), and the step's α"
     order,run_valid = LossFilterBase.order-1,False   # before any filter's `before_batch`: it sees the whole batch first
     name = 'probe'   # `learn.probe`; `learn.gradient_probe()` is the patch that adds it
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  every:int=50, # probe every `every`-th training batch (counted over the fit)
                  n_random:int=8, # random choices of the step's size per probed batch
                  modules:list|None=None, # the Gramian over these modules' parameters only (e.g. the head); default the whole model
@@ -235,6 +235,7 @@ class GradientProbeCallback(Callback):
 # %% ../nbs/05a_probe.ipynb #cc67f820
 @patch
 @delegates(GradientProbeCallback)
-def gradient_probe(self:Learner, every:int=50, n_random:int=8, **kwargs):
+@by_keyword
+def gradient_probe(self:Learner, *, every:int=50, n_random:int=8, **kwargs):
     "Add a `GradientProbeCallback`: the step's gradient against the batch's and chance, and its α, every `every` batches"
-    return self.add_cb(GradientProbeCallback(every, n_random, **kwargs))
+    return self.add_cb(GradientProbeCallback(every=every, n_random=n_random, **kwargs))

@@ -10,14 +10,14 @@ import torch
 from fastai.basics import Callback, CancelFitException, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
-from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback
+from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback
 from .core import plain, frozen_norm_stats
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'parse_method', 'lower_is_better', 'metric_sign', 'sync_device',
-           'fit_scored', 'EpochClock', 'run_fit', 'time_to_target', 'add_work', 'timed', 'StopAfter',
-           'learner_score_cost']
+           'fit_scored', 'proxy_work', 'EpochClock', 'run_fit', 'seeded_proxy', 'time_to_target', 'add_work', 'timed',
+           'StopAfter', 'learner_score_cost', 'learner_proxy_cost']
 
 # %% ../nbs/08_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -25,6 +25,7 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
                stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
                sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn),
                hide=(HideLearnedCallback, {}),
+               topk=(TopLossCallback, {}),
                random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
 RUN_SETTINGS = ('epochs', 'lr_mult')   # settings of the run, not of a callback: allowed on every method, the baseline too
@@ -42,7 +43,12 @@ def parse_method(spec:str) -> tuple:
     if name not in METHODS: raise ValueError(f"unknown method {name!r} in `methods`; choose from {', '.join(METHODS)}")
     cls, defaults = METHODS[name]
     kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if a.strip()))
-    run = {k: kw.pop(k) for k in RUN_SETTINGS if k in kw}
+    run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy',) if k in kw}
+    if 'proxy' in run:   # the batch filter scored by a proxy: `make_proxy(width)`, the model at that share of its widths
+        if cls is None or not issubclass(cls, LossFilterCallback):
+            raise ValueError(f"`proxy` in method {spec!r}: only a batch filter (blf, sb, topk, random_batch) scores by a proxy")
+        if isinstance(run['proxy'], bool) or not isinstance(run['proxy'], (int, float)) or not 0 < run['proxy'] <= 1:
+            raise ValueError(f"`proxy` in method {spec!r} must be the proxy's share of the model's widths, in (0, 1], got {run['proxy']!r}")
     if not isinstance(run.get('epochs', 1), int) or run.get('epochs', 1) < 1:
         raise ValueError(f"`epochs` in method {spec!r} must be an integer >= 1, got {run['epochs']!r}")
     if not isinstance(run.get('lr_mult', 1), (int, float)) or not run.get('lr_mult', 1) > 0:
@@ -72,6 +78,11 @@ def fit_scored(learn) -> int:
     "Examples that went through the Learner's loss filter's scoring pass in this fit (0 without a scoring pass)"
     return getattr(getattr(learn, 'loss_filter', None), 'fit_scored', 0)
 
+def proxy_work(learn) -> tuple:
+    "(examples the filter's proxy scored without a graph, examples it scored and trained on) in this fit; (0, 0) without a proxy"
+    f = getattr(getattr(learn, 'loss_filter', None), 'proxy_work', None)
+    return f() if f is not None else (0, 0)
+
 class EpochClock(Callback):
     "Training seconds, work and the validation `metric` (times `sign`) at every epoch end, and `evals_per_epoch - 1` times inside"
     order = 70   # after the Recorder has the epoch's values
@@ -88,7 +99,9 @@ class EpochClock(Callback):
     def after_loss(self):
         "Count the examples of every training step (a batch a filter cancels never gets here)"
         if self.training: self.__dict__['trained'] += find_bs(self.learn.yb)   # past `Callback.__setattr__`: per batch
-    def _work(self) -> dict: return dict(trained=self.trained, scored=fit_scored(self.learn))
+    def _work(self) -> dict:
+        ps, pt = proxy_work(self.learn)
+        return dict(trained=self.trained, scored=fit_scored(self.learn), proxy_scored=ps, proxy_trained=pt)
     def after_batch(self):
         if not self.training or self.evals_per_epoch < 2: return
         k, n = self.evals_per_epoch, self.n_iter
@@ -129,13 +142,15 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
             check=None, # `(model, valid_dl) -> value`: the metric inside an epoch
             show_progress:bool=False, # fastai's progress bar and table for this fit
             diag:Path|None=None, # folder for the filter's diagnostics figure; None: no figure
-            cbs:list|None=None # more callbacks for this fit
+            cbs:list|None=None, # more callbacks for this fit
+            make_proxy=None # `make_proxy(width) -> nn.Module`: the proxy of a method with `proxy=width`
            ) -> dict:
     "Train one method from `seed` on a new Learner from `make_learner`; its timings, work, history and kept shares"
     name, cb_cls, kw, run = parse_method(spec)
     epochs, lr = run.get('epochs', epochs), lr * run.get('lr_mult', 1)
     set_seed(seed, reproducible=True)
     learn = make_learner()
+    if 'proxy' in run: kw = kw | dict(score_model=seeded_proxy(make_proxy, run['proxy'], seed, spec))   # before the loaders' seeds: it may draw a batch
     for dl in learn.dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
     clock = EpochClock(evals_per_epoch, metric, sign, check)
     learn.add_cbs([clock] + list(cbs or []))
@@ -150,31 +165,40 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(name)}.png') if diag is not None and filt is not None else None
     return dict(diagnostics=diag, method=name, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
                 final_accuracy=h[-1]['accuracy'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
-                trained=h[-1]['trained'], scored=h[-1]['scored'],
+                trained=h[-1]['trained'], scored=h[-1]['scored'], proxy_scored=h[-1]['proxy_scored'], proxy_trained=h[-1]['proxy_trained'],
                 plain_epoch=plain_epoch_size(learn.dls.train.n, learn.dls.train.bs, learn.dls.train.drop_last),
                 lr_mult=getattr(filt, 'mean_lr_mult', 1.), history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
+
+def seeded_proxy(make_proxy, width:float, seed:int, spec:str='') -> torch.nn.Module:
+    "`make_proxy(width)`, its weights drawn from `seed` without moving torch's global random state (the main model's draws stay the plain run's)"
+    if make_proxy is None: raise ValueError(f"method {spec!r} scores by a proxy: pass `make_proxy`, a function of the width share that returns the proxy model")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7919)
+        return make_proxy(width)
 
 # %% ../nbs/08_runs.ipynb #4f5be553
 def time_to_target(history:list, # checks: dicts with `accuracy` (oriented: higher is better) and `key`
                    target:float, # the oriented target
                    key:str='train_s' # the figure to read: `train_s`, `wall_s`, `work`
-                  ) -> float|None: # `key` where the metric first reaches `target`, interpolated between checks; None if never
-    "Training seconds (or another figure `key`, such as `work`) at which the history first reaches `target`, interpolated between checks"
-    prev = None
-    for e in history:
-        a = e['accuracy']
-        if a is None: continue
-        if a >= target - 1e-9:
-            if prev is None or prev['accuracy'] >= a: return e[key]
-            f = (target - prev['accuracy']) / (a - prev['accuracy'])
-            return prev[key] + max(0., min(1., f)) * (e[key] - prev[key])
-        prev = e
-    return None
+                  ) -> float|None: # `key` where the metric reaches `target` to stay, interpolated between checks; None if its last check is below
+    "Training seconds (or another figure `key`, such as `work`) from which the history stays at or above `target` to its end: the same rule for every run, a method's and a plain schedule's"
+    hs = [e for e in history if e['accuracy'] is not None]
+    if not hs or hs[-1]['accuracy'] < target - 1e-9: return None   # a run that ends below the target has not reached it
+    i = len(hs) - 1
+    while i > 0 and hs[i - 1]['accuracy'] >= target - 1e-9: i -= 1   # back to the first check of the last stretch at or above it
+    e = hs[i]
+    if i == 0: return e[key]
+    prev = hs[i - 1]   # below the target: the crossing lies between the two checks
+    f = (target - prev['accuracy']) / (e['accuracy'] - prev['accuracy'])
+    return prev[key] + max(0., min(1., f)) * (e[key] - prev[key])
 
-def add_work(run:dict, score_cost:float) -> dict:
-    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each"
-    per = lambda e: (e['trained'] + score_cost * e['scored']) / run['plain_epoch']
+def add_work(run:dict, score_cost:float, proxy_cost:dict|None=None) -> dict:
+    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained)"
+    pc = proxy_cost or dict(score=0., step=0.)
+    if (run.get('proxy_scored') or run.get('proxy_trained')) and proxy_cost is None:
+        raise ValueError(f"the run of {run['method']!r} used a proxy: its work needs `proxy_cost`")
+    per = lambda e: (e['trained'] + score_cost * e['scored'] + pc['score'] * e.get('proxy_scored', 0) + pc['step'] * e.get('proxy_trained', 0)) / run['plain_epoch']
     for e in run['history']: e['work'] = per(e)
     run['work'] = per(run)
     return run
@@ -215,3 +239,20 @@ def learner_score_cost(learn, n:int=10) -> float:
     def step():
         learn.loss_func(_first(net(*xb)), *yb).backward(); opt.step(); opt.zero_grad()
     return timed(forward, n) / timed(step, n)
+
+def learner_proxy_cost(learn, # a Learner that will not train on (its weights move a little)
+                       proxy:torch.nn.Module, # the proxy model
+                       n:int=10) -> dict: # calls per timing round
+    "What the proxy costs per example, in training steps of `learn`'s model: `score`, its no-grad forward; `step`, its forward, backward and step"
+    net = learn.model.to(learn.dls.device)
+    proxy = proxy.to(learn.dls.device).train()
+    opt, popt = (torch.optim.Adam(m.parameters(), lr=1e-6) for m in (net, proxy))
+    b = learn.dls.train.one_batch()
+    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+    net.train()
+    def step(m, o):
+        learn.loss_func(_first(m(*xb)), *yb).backward(); o.step(); o.zero_grad()
+    def forward():
+        with torch.no_grad(): proxy(*xb)
+    main = timed(lambda: step(net, opt), n)
+    return dict(score=timed(forward, n) / main, step=timed(lambda: step(proxy, popt), n) / main)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_sampler.ipynb #929480ab
 from __future__ import annotations
-import itertools, math, numpy as np, torch
+import itertools, math, warnings, numpy as np, torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
@@ -15,7 +15,7 @@ from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
                                check_range, dist_world, all_reduce_sum, prune_at_random, plain)
 from fastcore.basics import noop
-from .base import LossFilterBase, orders_own_batches, unwrapped_loader, warn_no_op
+from .base import LossFilterBase, orders_own_batches, unwrapped_loader, warn_no_op, by_keyword
 
 # %% auto #0
 __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
@@ -79,7 +79,7 @@ def _not_one(m:Tensor) -> Tensor:
 # %% ../nbs/05_sampler.ipynb #79fbb49d
 class SamplerPruningCallback(LossFilterBase):
     "Base of the sampler-level pruners: before each epoch `epoch_keep` picks the examples the epoch trains on; no scoring pass"
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  score:str='loss', # what each step records per example: 'loss' or 'grad_norm' at the model's output
                  lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
@@ -154,6 +154,7 @@ class SamplerPruningCallback(LossFilterBase):
 
     def before_train(self):
         super().before_train()
+        if self.epoch == 0: self._warned_unvisited = False
         dl, n = self.dls.train, len(self.table)
         inner = dl.dl if _is_distributed_dl(dl) else dl
         full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
@@ -174,6 +175,16 @@ class SamplerPruningCallback(LossFilterBase):
         self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
         self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
         if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
+        if not full: self._warn_unvisited(known)
+
+    def _warn_unvisited(self, known:Tensor):
+        "Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` draws with replacement)"
+        if getattr(self, '_warned_unvisited', False) or known.float().mean() >= .9: return
+        self._warned_unvisited = True
+        warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch: the "
+                      "training loader does not draw every example each epoch (it samples with replacement, as `TabWeightedDL`, or draws fewer "
+                      "than the dataset holds); the others are always kept, and the diagnostics count examples where `samp_perc` counts draws",
+                      stacklevel=2)
 
     def _stale_shares(self, known:Tensor, world:int, size:int, inner):
         "`loss_perc`'s sums: the stale loss of the examples the epoch trains, over a plain epoch's (an unknown loss counts as the mean)"
@@ -310,7 +321,7 @@ class SamplerPruningCallback(LossFilterBase):
 # %% ../nbs/05_sampler.ipynb #3beb3e20
 class StaleLossPruningCallback(SamplerPruningCallback):
     "Each epoch, leave out a share `prune` of the examples whose last training loss was below the mean (InfoBatch's rule)"
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
@@ -326,9 +337,10 @@ class StaleLossPruningCallback(SamplerPruningCallback):
 
 @patch
 @delegates(StaleLossPruningCallback)
-def stale_loss_pruning(self:Learner, prune:float=.5, anneal:float=.125, **kwargs):
+@by_keyword
+def stale_loss_pruning(self:Learner, *, prune:float=.5, anneal:float=.125, **kwargs):
     "Leave easy examples out of each epoch, from their last training loss (`StaleLossPruningCallback`)"
-    cb = StaleLossPruningCallback(prune, anneal, **kwargs)
+    cb = StaleLossPruningCallback(prune=prune, anneal=anneal, **kwargs)
     return self._set_loss_filter(cb)
 
 # %% ../nbs/05_sampler.ipynb #7b92f881
@@ -346,7 +358,7 @@ def rate_ahead(learn:Learner, # a Learner inside a fit
 # %% ../nbs/05_sampler.ipynb #f3a1c2d5
 class HideLearnedCallback(SamplerPruningCallback):
     "Each epoch, hide up to `max_hide` of the data: the examples learned with `confidence`, lowest loss first (KAKURENBO's idea)"
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  max_hide:float=.3, # most of the dataset hidden in an epoch, as a share, in [0, 1)
                  confidence:float=.9, # hide only examples whose last loss is at most `-log(confidence)`, in (0, 1]
                  lr_scale:bool=True, # in a pruned epoch, raise the learning rate by `n/kept` for its fewer steps (KAKURENBO)
@@ -376,16 +388,17 @@ class HideLearnedCallback(SamplerPruningCallback):
 
 @patch
 @delegates(HideLearnedCallback)
-def hide_learned(self:Learner, max_hide:float=.3, confidence:float=.9, **kwargs):
+@by_keyword
+def hide_learned(self:Learner, *, max_hide:float=.3, confidence:float=.9, **kwargs):
     "Hide the examples learned with confidence from each epoch, with a raised rate for its fewer steps (`HideLearnedCallback`)"
-    cb = HideLearnedCallback(max_hide, confidence, **kwargs)
+    cb = HideLearnedCallback(max_hide=max_hide, confidence=confidence, **kwargs)
     return self._set_loss_filter(cb)
 
 
 # %% ../nbs/05_sampler.ipynb #a5d3e1d1
 class RandomPruningCallback(SamplerPruningCallback):
     "Control for sampler-level pruning: each pruned epoch trains on a uniformly random share `keep` of the data"
-    def __init__(self,
+    def __init__(self, *, # settings by keyword only
                  keep:float=.7, # share of the dataset in each pruned epoch, in (0, 1]
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  lr_scale:bool=False): # raise the rate in a pruned epoch as `HideLearnedCallback` does: its control with the raise

@@ -11,9 +11,9 @@ from .runs import parse_method, time_to_target
 from .stats import paired_test, shown, seeds_needed, TYPICAL_LOG_SD
 
 # %% auto #0
-__all__ = ['per_seed', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'control_specs', 'best_plain',
-           'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'points_text', 'payoff_word', 'payoff_line',
-           'verdict_lines', 'ci_level', 'table_columns', 'format_table']
+__all__ = ['per_seed', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control', 'control_specs',
+           'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'points_text', 'payoff_word',
+           'payoff_line', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -52,8 +52,8 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002, alpha:f
         r['target_s'] = time_to_target(r['history'], target)
         r['work_to_target'] = time_to_target(r['history'], target, 'work') if 'work' in r else None
     by_seed = {_pair(r): r for r in base}
-    for r in runs:   # paired: each run against the baseline of its own seed (and repeat), run back to back with it
-        b = by_seed.get(_pair(r)) or (base[0] if base else None)
+    for r in runs:   # paired: each run against the baseline of its own seed (and repeat), run back to back with it; never another seed's
+        b = by_seed.get(_pair(r))
         for k, f in _paired.items(): r[k] = _ratio(b.get(f), r.get(f)) if b else None
     rows = []
     for m in methods:
@@ -66,6 +66,7 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002, alpha:f
         row['work_x_test'] = paired_test(wx, alpha, ratio=True) if None not in wx else None
         row['work_x_ci'] = _ci(row['work_x_test'])
         row['reached'] = sum(r['target_s'] is not None for r in rs)
+        row['unpaired'] = sum(_pair(r) not in by_seed for r in rs)   # runs with no baseline of their own seed: no paired ratio, so no test
         row['never_filtered'] = parse_method(m)[1] is not None and all(r['mean_samp_perc'] >= 1 for r in rs)
         rows.append(row)
     return rows, target
@@ -81,7 +82,7 @@ def matched_control(spec:str, runs:list) -> str|None:
     _, cls, kw, run = parse_method(spec)
     if cls is None or issubclass(cls, (RandomPruningCallback, RandomBatchCallback)): return None
     rs, cb = [r for r in runs if r['method'] == spec], cls(**kw)
-    sched = ''.join(f',{k}={v}' for k, v in run.items())   # the method's own run settings (epochs, rate)
+    sched = ''.join(f',{k}={v}' for k, v in run.items() if k != 'proxy')   # the method's own run settings (epochs, rate); the choice is blind, so no proxy
     if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
         shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
         raise_lr = ',lr_scale=1' if getattr(cb, 'lr_scale', False) else ''
@@ -99,9 +100,18 @@ def rate_control(spec:str, runs:list) -> str|None:
     m = statistics.fmean(mults) * run.get('lr_mult', 1)
     return f"baseline:lr_mult={m:.3f}" + (f",epochs={run['epochs']}" if 'epochs' in run else '')
 
+def self_scored_control(spec:str) -> str|None:
+    "For a method scored by a proxy (`blf:proxy=.25`), the same filter scored by the model itself (`blf`); else None"
+    name, _, args = spec.partition(':')
+    parts = [a.strip() for a in args.split(',') if a.strip()]
+    keep = [a for a in parts if a.split('=', 1)[0].strip() not in ('proxy', 'train_every')]
+    if len(keep) == len(parts): return None
+    return name + (':' + ','.join(keep) if keep else '')
+
 def control_specs(control_of:dict) -> list:
-    "Every control of `control_of` (method -> its controls), once each, in order"
-    return list(dict.fromkeys(c for cs in control_of.values() for c in cs))
+    "Every control of `control_of` (method -> its controls), once each, in order; a method judged in its own right (one with controls) is not one"
+    methods = {m for m, cs in control_of.items() if cs}
+    return list(dict.fromkeys(c for cs in control_of.values() for c in cs if c not in methods))
 
 # %% ../nbs/09_verdicts.ipynb #80efd153
 _WORDS = {'above': 'beats', 'below': 'loses', 'not shown': 'no difference shown', None: 'no verdict (1 seed)'}
@@ -189,12 +199,14 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         if runs:
             if len(plain) > 1: r['vs_budget'] = _acc_test(_paired_diffs(m, lambda run, mine: _plain_curve_value(run, mine, plain), runs), alpha)
             if rand in by: r['vs_random'] = _acc_test(_paired_diffs(m, _run_of(rand), runs), alpha) | dict(control=rand)
+            own = self_scored_control(m)
+            if own in by and own in control_of.get(m, []): r['vs_self'] = _acc_test(_paired_diffs(m, _run_of(own), runs), alpha) | dict(control=own)
             if 'baseline' in by:
                 d = _paired_diffs(m, _run_of('baseline'), runs)
                 r['vs_plain'] = _acc_test(d, alpha)
                 held = shown(paired_test(d, alpha, null=-margin))
                 if r['vs_plain']: r['vs_plain'].update(margin=margin, holds=None if held is None else held == 'above')
-            for k in ('vs_budget', 'vs_random', 'vs_plain'):
+            for k in ('vs_budget', 'vs_random', 'vs_plain', 'vs_self'):
                 if k in r and r[k] is None: del r[k]
         else:   # medians only: the differences, without a test
             untested = lambda diff: dict(diff=diff, lo=None, hi=None, n=1, level=1 - 2 * alpha, alpha=alpha, verdict='no verdict (no per-seed runs)')
@@ -241,8 +253,9 @@ def _payoff_test(r:dict, has_budgets:bool) -> tuple:
     return (r.get('vs_best_plain_work_x'), r.get('vs_best_plain_work_test')) if has_budgets else (r.get('work_x'), r.get('work_x_test'))
 
 def payoff_word(r:dict, has_budgets:bool) -> str:
-    "The payoff in a word or two: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'misses the target', 'never filtered' or 'no work to compare'"
+    "The payoff in a word or two: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'misses the target', 'never filtered', 'unpaired' or 'no work to compare'"
     if r.get('never_filtered'): return 'never filtered'
+    if r.get('unpaired'): return 'unpaired'
     if r.get('reached', 0) < r.get('repeats', 1): return 'misses the target'
     x, t = _payoff_test(r, has_budgets)
     if x is None or t is None: return 'no work to compare'
@@ -255,6 +268,7 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
     tail = f"; at equal work {points_text(r['vs_budget'], 'training less')}" if r.get('vs_budget') else ''
     word, (x, t) = payoff_word(r, has_budgets), _payoff_test(r, has_budgets)
     if word == 'never filtered': return f"{m}: never filtered (the fit is too short for its schedule)"
+    if word == 'unpaired': return f"{m}: no verdict: {r['unpaired']} of its runs have no plain run of their own seed to be paired with (run the baseline on every seed)"
     if word == 'misses the target':
         return (f"{m}: does not pay here: it reached the target in {r.get('reached', 0)} of {r.get('repeats', 1)} runs "
                 f"(no test at {pct_text(a)} without its work to the target in every seed){tail}")
@@ -288,7 +302,8 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
         s = (f"{m} ({_seeds(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
              f"work to it {ratio_text(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} the baseline's and {ratio_text(r.get('vs_best_plain_work_x'))}"
              f"{_ci_x(r.get('vs_best_plain_work_test'))} the cheapest plain schedule's; wall-clock {ratio_text(r.get('target_x'))} and {ratio_text(r.get('vs_best_plain_x'))}")
-        for k, what in (('vs_plain', 'the plain model'), ('vs_budget', 'training less at equal work'), ('vs_random', 'random choice at its share')):
+        for k, what in (('vs_plain', 'the plain model'), ('vs_budget', 'training less at equal work'), ('vs_random', 'random choice at its share'),
+                        ('vs_self', 'the same filter scored by the model itself')):
             if r.get(k): s += f"; final value {points_text(r[k], what)}"
         if r.get('vs_plain', {}).get('holds') is not None:
             s += f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within {r['vs_plain']['margin'] * 100:.2f} points of the plain model"
@@ -310,11 +325,11 @@ def ci_level(rows:list) -> int:
     "The intervals' level of `rows` in percent (90 for the default 5% tests)"
     return round(100 * (1 - 2 * next((r['alpha'] for r in rows if 'alpha' in r), .05)))
 
-def table_columns(rows:list) -> list:
-    "The table's column names: an interval column named with its level (`work_x_ci90`)"
-    return [k + str(ci_level(rows)) if k.endswith('_ci') else k for k, _ in _cols]
+def table_columns(rows:list, metric:str='accuracy') -> list:
+    "The table's column names: an interval column named with its level (`work_x_ci90`), the final value under the metric's own name"
+    return [k + str(ci_level(rows)) if k.endswith('_ci') else f'final_{metric}' if k == 'final_accuracy' else k for k, _ in _cols]
 
-def format_table(rows:list) -> str:
+def format_table(rows:list, metric:str='accuracy', sign:int=1) -> str:
     "The summary as a plain-text table: medians with `±spread` (max - min) over runs; `_x` ratios as geometric means; `_ciNN`: NN% t intervals over seeds; `reached`: runs that reached the target; accuracy verdicts in points with the test's word"
     def cell(r, k, f):
         if k == 'method': return r[k] + (' [never filtered]' if r.get('never_filtered') else '')
@@ -324,9 +339,10 @@ def format_table(rows:list) -> str:
         if k.endswith('_ci'): return ci_text(r.get(k)) or '-'
         v = r.get(k)
         if v is None: return '-'
+        if k == 'final_accuracy': v = sign * v   # the metric in its own units (held oriented, higher better, inside)
         s = f.format(v)
         sp = r.get(k + '_spread')
         return s + (f" ±{f.format(sp).rstrip('x')}" if sp and r.get('repeats', 1) > 1 else '')
-    table = [table_columns(rows)] + [[cell(r, k, f) for k, f in _cols] for r in rows]
+    table = [table_columns(rows, metric)] + [[cell(r, k, f) for k, f in _cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(_cols))]
     return '\n'.join('  '.join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)

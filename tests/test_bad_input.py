@@ -1,9 +1,10 @@
 "Bad input named: wrong types, unknown keywords and degenerate settings, each with a message that says what to change."
 import warnings
 import numpy as np, pytest
-from fastai.basics import Learner
+from fastai.basics import Learner, CrossEntropyLossFlat
+from torch import nn
 from loss_filters.core import check_range, check_int, select_by_rank
-from loss_filters.batch import SelectiveBackpropCallback, BatchLossFilterCallback, LossFilterCallback
+from loss_filters.batch import SelectiveBackpropCallback, BatchLossFilterCallback, LossFilterCallback, TopLossCallback
 from loss_filters.sampler import StaleLossPruningCallback, HideLearnedCallback
 from loss_filters.controls import RandomPruningCallback, RandomBatchCallback
 
@@ -58,3 +59,13 @@ def test_working_settings_do_not_warn():
         warnings.simplefilter('error')
         BatchLossFilterCallback(); SelectiveBackpropCallback(); StaleLossPruningCallback(); HideLearnedCallback()
         RandomPruningCallback(); RandomBatchCallback()
+
+@pytest.mark.parametrize('patch', ['batch_loss_filter', 'selective_backprop', 'top_loss', 'stale_loss_pruning', 'hide_learned'])
+def test_a_patch_refuses_a_positional_setting_and_names_its_settings(patch, digits_dls):
+    learn = Learner(digits_dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat())
+    with pytest.raises(TypeError, match=f'`Learner.{patch}` takes its settings by keyword'): getattr(learn, patch)(.9)
+    assert not hasattr(learn, 'loss_filter')   # the Learner is untouched
+
+@pytest.mark.parametrize('cls', [BatchLossFilterCallback, SelectiveBackpropCallback, TopLossCallback, StaleLossPruningCallback, HideLearnedCallback])
+def test_a_filter_takes_its_settings_by_keyword(cls):
+    with pytest.raises(TypeError, match='positional argument'): cls(.9)

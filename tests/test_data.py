@@ -162,3 +162,19 @@ def test_label_noise_reaches_training_labels_only():
     assert (yt != yn).float().mean().item() == pytest.approx(.25, abs=1 / len(yt))
     assert torch.equal(clean.valid_ds.tensors[1], noisy.valid_ds.tensors[1])
     assert torch.equal(clean.train_ds.tensors[0], noisy.train_ds.tensors[0])
+
+def test_the_digits_loaders_predict_and_show_results():
+    import matplotlib; matplotlib.use('Agg')
+    from fastai.basics import Learner, CrossEntropyLossFlat
+    from fastai.callback.progress import ProgressCallback
+    from loss_filters.models import simple_cnn
+    dls = digits_dls()
+    learn = Learner(dls, simple_cnn(), loss_func=CrossEntropyLossFlat())
+    x, y = dls.valid_ds[0]
+    with learn.no_bar():
+        dec, idx, probs = learn.predict(x)
+        assert probs.shape == (10,) and int(idx) == int(probs.argmax()) == int(dec)
+        assert len(learn.get_preds(dl=dls.test_dl([dls.valid_ds[i][0] for i in range(5)]))[0]) == 5
+        learn.show_results(max_n=4)
+    import matplotlib.pyplot as plt
+    assert [a.get_title().count('/') for a in plt.gcf().axes[:4]] == [1] * 4

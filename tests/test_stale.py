@@ -212,3 +212,32 @@ def test_rank_share_splits_evenly_into_whole_batches():
     assert [len(rank_share(order, r, 3, bs=3, drop_last=True)) for r in range(3)] == [3, 3, 3]     # 4 each, cut to one batch
     assert rank_share(order, 0, 1, bs=3, drop_last=True) is order
     assert rank_share(torch.arange(1), 1, 4, bs=1, drop_last=False).tolist() == [0]                # fewer examples than ranks
+
+class InterruptAt(Callback):
+    "A `KeyboardInterrupt` at a given training batch of a given epoch, as a user's Ctrl-C"
+    def __init__(self, epoch, it): self.epoch_, self.it = epoch, it
+    def after_batch(self):
+        if self.training and self.epoch == self.epoch_ and self.iter == self.it:
+            self.n_at = self.learn.dl.n   # the pruned epoch's length
+            raise KeyboardInterrupt()
+
+@pytest.mark.parametrize('patch', ['stale_loss_pruning', 'hide_learned'])
+def test_predictions_after_an_interrupted_pruned_epoch_miss_no_row(patch, digits_dls):
+    stop = InterruptAt(2, 1)
+    learn = Learner(digits_dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), cbs=stop)
+    getattr(learn, patch)(**({'confidence': .2} if patch == 'hide_learned' else {}))
+    with pytest.raises(KeyboardInterrupt), learn.no_bar(), learn.no_logging(): learn.fit(4, 3e-2)
+    n = len(learn.dls.train_ds)
+    assert stop.n_at < n   # it stopped in a pruned epoch
+    assert len(learn.get_preds(ds_idx=0)[0]) == n and len(learn.get_preds(ds_idx=0)[0]) == n
+    assert learn.dls.train.n == n
+
+def test_a_loader_that_draws_with_replacement_is_warned_about():
+    from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize
+    from fastai.tabular.core import TabularPandas
+    from conftest import tabular_df
+    dls = TabularDataLoaders.from_df(tabular_df(), procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a', 'b'], y_names='y',
+                                     valid_idx=list(range(450, 600)), bs=64, device='cpu')
+    if not type(dls.train).__name__ == 'TabWeightedDL': pytest.skip('this fastai draws tabular rows without replacement')
+    learn = tabular_learner(dls, layers=[16], n_out=2).stale_loss_pruning()
+    with pytest.warns(UserWarning, match='have a loss from an earlier epoch'), learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-2)

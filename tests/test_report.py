@@ -1,0 +1,55 @@
+"What a user reads of a comparison: the metric under its own name and direction, one sign for every difference, a factory with a filter refused, friendly inputs."
+import pytest, torch
+from torch import nn
+from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
+from fastai.metrics import accuracy, error_rate
+from loss_filters.compare import compare_filters, load_comparison
+from conftest import make_dls
+
+@pytest.fixture(scope='module')
+def dls(digits): return make_dls(*digits, bs=64)
+
+@pytest.fixture(scope='module')
+def err_cmp(dls):
+    "A comparison judged on a metric that is better lower"
+    make = lambda: Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=error_rate)
+    return compare_filters(make, 'baseline blf', epochs=3, lr=3e-2, seeds=2, budgets='.67', show_progress=False)
+
+def test_what_is_printed_first_fits_a_terminal_and_names_the_metric(err_cmp):
+    text = repr(err_cmp)
+    assert 'error_rate (lower is better)' in text and 'pays' not in text.split('payoff')[0].split('\n')[-1]
+    assert max(len(l) for l in text.splitlines()) <= 100 and 'blf' in text and 'cmp.table' in text
+
+def test_a_lower_is_better_metric_is_printed_under_its_own_name_and_units(err_cmp):
+    text = err_cmp.full_text()
+    assert 'final_error_rate' in text and 'final_accuracy' not in text and 'lower is better' in text
+    header, base = text.splitlines()[1:3]
+    value = float(base[header.index('final_error_rate'):].split()[0])
+    assert value == pytest.approx(err_cmp.table.loc['baseline', 'final_error_rate'], abs=1e-4) and value > 0   # the error rate itself, not negated
+
+def test_every_printout_gives_a_difference_the_same_sign(err_cmp):
+    r = next(r for r in err_cmp.rows if r['method'] == 'blf')
+    want = f"{r['vs_plain']['diff'] * 100:+.2f}"
+    assert want in err_cmp.brief() and want in '\n'.join(err_cmp.verdicts)
+    assert err_cmp.table.loc['blf', 'vs_random'].split()[0] == f"{r['vs_random']['diff'] * 100:+.2f}"
+
+def test_a_factory_that_brings_a_filter_is_refused(dls):
+    make = lambda: Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=accuracy).batch_loss_filter(min_loss_perc=.5)
+    with pytest.raises(ValueError, match='loss filter on it'): compare_filters(make, 'baseline blf', epochs=2, seeds=1, show_progress=False)
+
+def test_methods_as_a_list_and_a_folder_that_is_a_file(dls, tmp_path):
+    make = lambda: Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+    cmp = compare_filters(make, ['baseline', 'blf'], epochs=2, seeds=1, controls=False, show_progress=False)
+    assert [r['method'] for r in cmp.runs] == ['baseline', 'blf']
+    f = tmp_path / 'runs.txt'; f.write_text('x')
+    with pytest.raises(ValueError, match='`folder` must be a folder'): compare_filters(make, 'baseline blf', folder=f, show_progress=False)
+
+def test_the_time_estimate_says_what_it_counts():
+    from loss_filters.compare import estimate_text
+    t = estimate_text(.4, 12.3)
+    assert 'about 12 more such fits' in t and 'about 4.9 s' in t and '0.4 s' in t and 'about 0 s' not in t
+
+def test_a_target_finer_than_one_validation_example_is_warned(dls):
+    make = lambda: Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+    with pytest.warns(UserWarning, match='finer than one of the 450 validation examples'):
+        compare_filters(make, 'baseline', epochs=1, seeds=1, controls=False, show_progress=False)
