@@ -42,9 +42,11 @@ class LossFilterBase(Callback):
     hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
     _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
+    pooled_step = False # whether this training step trains on a pooled batch (`fill_batch`) instead of rows of the loader's batch
     _stateattrs = ('gen',)   # not pickled: old torch cannot pickle a generator, and a CUDA one would not load on the CPU
 
-    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_loss_checked', 'step_idxs'))
+    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_loss_checked', 'step_idxs',
+                      'pooled_step'))
     def __setattr__(self, name, value):
         "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
         if name in self._hot: self.__dict__[name] = value

@@ -207,6 +207,7 @@ class LossFilterCallback(LossFilterBase):
         if idxs is None: self.n_kept += bs
         if self.proxy is not None: self._proxy_learns(idxs)
         self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
+        self.pooled_step = self.fill_batch and not self._plain_step   # the step's rows come from the pool, not this batch alone
         # the rows of the batch this step trains on (None: all of them, or a pooled batch of other rows): `GradientProbeCallback` reads it
         self.step_idxs = idxs if not self.fill_batch and idxs is not None and len(idxs) < bs else None
         if self.fill_batch: self._fill(idxs)

@@ -119,8 +119,8 @@ class GradientProbeCallback(Callback):
         filt, B = getattr(learn, 'loss_filter', None), find_bs(yb)
         idxs = getattr(filt, 'step_idxs', None)
         weights = filt.step_weights() if hasattr(filt, 'step_weights') and getattr(filt, 'run', False) else None
-        same = len(learn.xb) == len(xb) and all(a is b for a, b in zip(learn.xb, xb))
-        if same or idxs is not None:   # the step's loss is `Σwᵢℓᵢ / n` over the `n` rows it trains, `wᵢ = 1` without weights
+        pooled = getattr(filt, 'pooled_step', False) and getattr(filt, 'run', False)   # asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`
+        if not pooled:   # the step's loss is `Σwᵢℓᵢ / n` over the `n` rows it trains, `wᵢ = 1` without weights
             u, rows = torch.zeros(B, dtype=torch.float64), (idxs.cpu() if idxs is not None else torch.arange(B))
             u[rows] = (1. if weights is None else weights.detach().double().cpu()) / len(rows)
             return xb, yb, u, B

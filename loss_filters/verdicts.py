@@ -198,9 +198,8 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         rand = next((c for c in control_of.get(m, []) if c.startswith('random')), None)
         if runs:
             if len(plain) > 1: r['vs_budget'] = _acc_test(_paired_diffs(m, lambda run, mine: _plain_curve_value(run, mine, plain), runs), alpha)
-            if rand in by: r['vs_random'] = _acc_test(_paired_diffs(m, _run_of(rand), runs), alpha) | dict(control=rand)
-            own = self_scored_control(m)
-            if own in by and own in control_of.get(m, []): r['vs_self'] = _acc_test(_paired_diffs(m, _run_of(own), runs), alpha) | dict(control=own)
+            for k, c in (('vs_random', rand), ('vs_self', self_scored_control(m))):   # None where a seed lacks the control's run
+                if c in by and c in control_of.get(m, []) and (t := _acc_test(_paired_diffs(m, _run_of(c), runs), alpha)): r[k] = t | dict(control=c)
             if 'baseline' in by:
                 d = _paired_diffs(m, _run_of('baseline'), runs)
                 r['vs_plain'] = _acc_test(d, alpha)

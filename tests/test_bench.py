@@ -105,7 +105,8 @@ def test_console_script_exits_zero(tmp_path):
     r = subprocess.run([str(script), '--data', 'digits', '--epochs', '1', '--bs', '128', '--methods', 'baseline blf', '--quiet',
                         '--out', str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert 'final_accuracy' in r.stdout and (tmp_path / 'results.json').exists()
+    assert 'less work' in r.stdout and (tmp_path / 'results.json').exists()
+    assert 'final_accuracy' in (tmp_path / 'table.txt').read_text() and str(tmp_path / 'table.txt') in r.stdout   # the wide table in its file
 
 @pytest.mark.parametrize('spec', ['blf:skip_epochs=0', 'sb:start=0,interrupt=0'])   # sb draws from the global RNG
 def test_checks_inside_epochs_leave_training_untouched(spec):

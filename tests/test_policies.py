@@ -105,7 +105,8 @@ def test_hide_gives_the_rate_and_the_loader_back_after_an_error():
     cb = HideLearnedCallback(anneal=0.)
     learn.add_cbs([cb, Boom()])
     with pytest.raises(RuntimeError, match='boom'): _fit(learn, 3, lr=1e-2)
-    assert learn.opt.hypers[0]['lr'] > 1e-2                               # died between its scaling and its step
+    assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-2)             # died between its scaling and its step: given back as the fit ended
+    assert learn.dls.train.n == len(learn.dls.train_ds) and 'get_idxs' not in learn.dls.train.__dict__
     learn.remove_cb(cb)
     assert learn.opt.hypers[0]['lr'] == pytest.approx(1e-2)
     assert learn.dls.train.n == len(learn.dls.train_ds) and 'get_idxs' not in learn.dls.train.__dict__

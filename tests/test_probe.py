@@ -243,3 +243,29 @@ def test_the_probe_refuses_several_processes(digits, monkeypatch):
     learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat(), cbs=[GradientProbeCallback()])
     with pytest.raises(ValueError, match='cannot run with several processes'):
         with learn.no_bar(), learn.no_logging(): learn.fit(1)
+
+class RowsSpy:
+    "The rows and weights the probe takes each probed step over, read from its `_step_rows`"
+    def __init__(self, probe):
+        self.seen, orig = [], probe._step_rows
+        def spy():
+            xb, yb, u, B = orig(); self.seen.append((len(u), B, u.clone())); return xb, yb, u, B
+        probe._step_rows = spy
+
+def test_a_plain_step_is_probed_once_over_its_batch(digits):
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=32), bench_cnn(), loss_func=CrossEntropyLossFlat())
+    learn.gradient_probe(every=5)
+    spy = RowsSpy(learn.probe)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    assert spy.seen and all(n == B and torch.allclose(u, torch.full((B,), 1 / B, dtype=torch.float64)) for n, B, u in spy.seen)
+
+def test_stale_prunings_loss_weights_reach_the_probe(digits):
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=32), bench_cnn(), loss_func=CrossEntropyLossFlat())
+    learn.stale_loss_pruning(prune=.5, anneal=0.)
+    learn.gradient_probe(every=3)
+    spy = RowsSpy(learn.probe)
+    with learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-3)
+    pruned = [(n, B, u) for n, B, u in spy.seen if len(u.unique()) > 1]   # up-weighted easy rows: 2/B beside 1/B
+    assert pruned and all(n == B and torch.isclose(u.max(), 2 * u.min()) for n, B, u in pruned)
