@@ -208,6 +208,7 @@ class LossFilterBase(Callback):
         ax.plot([b['iter'] for b in stats], ys, '.', ms=3)
         self._epoch_lines(ax)
         ax.set(xlabel='training iteration', ylabel=ylabel, ylim=(0, 1.05), title=title)
+        ax.set_xlim(left=0)   # from the fit's start, as the histograms below: an unfiltered first epoch shows as empty
         self._note_if_empty(ax, not stats)
         return ax.figure
 

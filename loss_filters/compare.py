@@ -93,10 +93,14 @@ class Comparison:
         "The payoff lines, then the detailed verdicts (accuracy differences in points of the metric, oriented)"
         return self.payoffs() + verdict_lines(self.rows, self.budgets, self.control_of)
 
-    def plot(self) -> list:
-        "The metric against work over the budget curve (with the controls), and against training seconds"
-        figs = [budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign)] if self.budgets else []
-        return figs + [time_figure(self.runs, self.target, self.metric, self.sign)]
+    def plot(self):
+        "One figure: the metric against work over the budget curve (with the controls), and against training seconds; `plt.savefig` after it saves both"
+        import matplotlib.pyplot as plt
+        fig, axs = plt.subplots(2 if self.budgets else 1, 1, figsize=(10, 9 if self.budgets else 4.5), squeeze=False)
+        if self.budgets: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=axs[0, 0])
+        time_figure(self.runs, self.target, self.metric, self.sign, ax=axs[-1, 0])
+        fig.suptitle(f"{self.metric}: {self.settings['seeds']} seed(s), the target {self.target_value:.4f}"); fig.tight_layout()
+        return fig
 
     def results(self) -> dict:
         "Everything measured, as plain data"
@@ -111,8 +115,9 @@ class Comparison:
         import matplotlib; matplotlib.use('Agg')
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
         (folder / 'results.json').write_text(json.dumps(self.results(), indent=1))
-        names = (['accuracy_vs_budget.png'] if self.budgets else []) + ['accuracy_vs_time.png']
-        return [folder / 'results.json'] + [save_figure(f, folder / n) for f, n in zip(self.plot(), names)]
+        figs = ([(budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign), 'accuracy_vs_budget.png')] if self.budgets else []) + \
+               [(time_figure(self.runs, self.target, self.metric, self.sign), 'accuracy_vs_time.png')]
+        return [folder / 'results.json'] + [save_figure(f, folder / n) for f, n in figs]
 
     def full_text(self) -> str:
         "Every figure of every method and control as a wide text table, then every verdict in words"

@@ -8,49 +8,78 @@ from pathlib import Path
 from .verdicts import control_specs
 
 # %% auto #0
-__all__ = ['budget_figure', 'time_figure', 'kept_figure', 'save_figure', 'plot_results', 'plot_budget']
+__all__ = ['short_label', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure', 'plot_results', 'plot_budget']
 
 # %% ../nbs/10_plots.ipynb #479eaf27
 def _plt():
     import matplotlib.pyplot as plt
     return plt
 
+def short_label(spec:str) -> str:
+    "A legend's name for a method spec: the random controls and shorter plain schedules said in words, the rest as spelled"
+    name, _, args = spec.partition(':')
+    kw = dict(a.split('=', 1) for a in args.split(',') if '=' in a)
+    if name in ('random_batch', 'random'): return f"random choice, keep {float(kw.get('keep', 0)):.2f}" + (', full batches' if kw.get('fill_batch') in ('1', 'True') else '')
+    if name == 'baseline' and set(kw) == {'epochs'}: return f"plain, {kw['epochs']} epochs"
+    if name == 'baseline' and 'lr_mult' in kw: return f"plain, rate x{float(kw['lr_mult']):.2f}"
+    return spec
+
+def _axes(ax, size):
+    "`ax`, or the axes of a new figure of `size`"
+    return ax if ax is not None else _plt().subplots(figsize=size)[1]
+
+def _colors(names:list) -> dict:
+    "A colour per method, the same in every figure of a comparison (tab10, or tab20 for more than 10 methods)"
+    cmap = _plt().get_cmap('tab10' if len(names) <= 10 else 'tab20')
+    return {m: cmap(i % cmap.N) for i, m in enumerate(dict.fromkeys(names))}
+
+def _legend_outside(ax):
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False)
+
 def budget_figure(rows:list, # the summary rows
                   budgets:list, # the shorter plain schedules (`baseline:epochs=k`)
                   control_of:dict, # method -> its controls
                   label:str='validation accuracy', # the metric's name on the y axis
-                  sign:int=1): # -1 where the rows hold a lower-is-better metric negated
-    "Final value against work (plain epochs): the plain model's budget curve, every method and control over it (controls hollow)"
-    fig, ax = _plt().subplots(figsize=(7.5, 4.5))
+                  sign:int=1, # -1 where the rows hold a lower-is-better metric negated
+                  ax=None): # draw on these axes; default a new figure
+    "Final value against work (plain epochs): the plain model's budget curve, every method and control over it (controls hollow), the median over seeds with its range"
+    ax = _axes(ax, (9, 4.5))
     curve = sorted((r['work'], sign * r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
     ax.plot(*zip(*curve), 'k.-', label='plain model, shorter schedules (training less)')
-    controls = control_specs(control_of)
-    for i, r in enumerate(r for r in rows if r['method'] not in [*budgets, 'baseline']):
-        ax.errorbar(r['work'], sign * r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6,
-                    mfc='none' if r['method'] in controls else f'C{i}', color=f'C{i}', label=r['method'])
-    ax.set(xlabel='work (plain epochs: examples trained, and scored at their measured cost)', ylabel=f'final {label}',
-           title='The final metric against work, over the budget curve')
-    ax.legend(fontsize=7, loc='best'); fig.tight_layout()
-    return fig
+    controls, col = control_specs(control_of), _colors([r['method'] for r in rows])
+    for r in (r for r in rows if r['method'] not in [*budgets, 'baseline']):
+        c = col[r['method']]
+        ax.errorbar(r['work'], sign * r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6, capsize=2,
+                    mfc='none' if r['method'] in controls else c, color=c, label=short_label(r['method']) + (' (control)' if r['method'] in controls else ''))
+    ax.set(xlabel='work (plain epochs: examples trained, and scored at their measured cost)', ylabel=f'final {label} (median over seeds)',
+           title='Final value against work, over the budget curve (bars: the range over seeds)')
+    _legend_outside(ax); ax.figure.tight_layout()
+    return ax.figure
+
+def _median_curve(rs:list, sign:int) -> tuple:
+    "The median over runs of training seconds and of the metric at each check (runs of one method share their checks)"
+    import statistics
+    n = min(len(r['history']) for r in rs)
+    med = lambda xs: statistics.median(xs)
+    return ([0.] + [med([r['history'][k]['train_s'] for r in rs]) for k in range(n)],
+            [None] + [sign * med([r['history'][k]['accuracy'] for r in rs]) for k in range(n)])
 
 def time_figure(runs:list, # the runs
                 target:float, # the oriented target
                 label:str='validation accuracy', # the metric's name on the y axis
-                sign:int=1): # -1 where the runs hold a lower-is-better metric negated
-    "The metric at every check against training seconds, every method (its first run solid, others faint), and the target"
-    fig, ax = _plt().subplots(figsize=(7, 4.5))
-    for i, m in enumerate(dict.fromkeys(r['method'] for r in runs)):
-        for j, r in enumerate(x for x in runs if x['method'] == m):
-            h = r['history']
-            ax.plot([0] + [e['train_s'] for e in h], [None] + [sign * e['accuracy'] for e in h], 'o-', color=f'C{i}',
-                    alpha=1 if j == 0 else .4, label=m if j == 0 else None, ms=3)
+                sign:int=1, # -1 where the runs hold a lower-is-better metric negated
+                ax=None): # draw on these axes; default a new figure
+    "The metric at every check against training seconds, one line a method (the median over its seeds), and the target"
+    ax = _axes(ax, (9, 4.5))
+    for m, c in _colors([r['method'] for r in runs]).items():
+        ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), 'o-', color=c, label=short_label(m), ms=3, lw=1.2)
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
     late = [sign * e['accuracy'] for r in runs for e in r['history'][len(r['history']) // 2:]]
-    ax.set(xlabel='training seconds', ylabel=label, title='The metric against training time')
+    ax.set(xlabel='training seconds (median over seeds)', ylabel=f'{label} (median over seeds)', title='The metric against training time')
     if sign > 0: ax.set_ylim(min(late) - .02, None)
     else: ax.set_ylim(None, max(late) + .02)
-    ax.legend(loc='best', fontsize=8); fig.tight_layout()
-    return fig
+    _legend_outside(ax); ax.figure.tight_layout()
+    return ax.figure
 
 def kept_figure(runs:list):
     "The share of each batch kept, over training iterations, for the first run of every method that filtered batches; None if none did"
@@ -61,7 +90,7 @@ def kept_figure(runs:list):
     fig, axs = _plt().subplots(len(firsts), 1, figsize=(7, 1.2 + 1.6 * len(firsts)), sharex=True, squeeze=False)
     for ax, (i, r) in zip(axs[:, 0], firsts):
         ax.plot(*zip(*r['kept']), '.', ms=2, color=f'C{i}')
-        ax.set(ylim=(0, 1.05), ylabel='kept'); ax.set_title(r['method'], fontsize=9)
+        ax.set(ylim=(0, 1.05), ylabel='kept'); ax.set_title(short_label(r['method']), fontsize=9)
     axs[-1, 0].set_xlabel('training iteration')
     fig.suptitle('Share of samples kept per batch'); fig.tight_layout()
     return fig

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05a_probe.ipynb #4a751009
 from __future__ import annotations
-import math, statistics, time
+import math, statistics, time, warnings
 import torch
 from torch import Tensor
 from fastcore.basics import store_attr, patch
@@ -89,7 +89,20 @@ class GradientProbeCallback(Callback):
         self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None
                           and not isinstance(cb, (MixedPrecision, LossFilterBase))]
 
-    def before_train(self): self._training, self._epoch0 = True, len(self.stats)
+    def before_train(self):
+        self._training, self._epoch0 = True, len(self.stats)
+        if self.epoch == 0: self._warned, self._empty = False, 0
+        self._t_epoch, self._s_epoch = time.perf_counter(), self.seconds
+
+    def after_train(self):
+        "Say, once a fit, when the probes cost a large share of an epoch's training time (`every` too small for this model)"
+        took = time.perf_counter() - self._t_epoch
+        share = (self.seconds - self._s_epoch) / took if took > 0 else 0.
+        self._empty += len(self.stats) == self._epoch0
+        if share > .25 and not self._warned:
+            self._warned = True
+            warnings.warn(f"GradientProbeCallback: its probes took {share:.0%} of this epoch's training time at `every={self.every}`; "
+                          "a probe costs many training steps: raise `every` to spend less", stacklevel=2)
 
     def before_batch(self):
         "Keep the whole batch of a probed step, before any filter takes part of it"
@@ -111,7 +124,11 @@ class GradientProbeCallback(Callback):
     def after_cancel_step(self): self._start = None    # no step was applied: no α to measure
     def after_cancel_batch(self): self._start = None
 
-    def after_fit(self): self._training, self._full, self._start, self._end = False, None, None, None
+    def after_fit(self):
+        self._training, self._full, self._start, self._end = False, None, None, None
+        if self.run and getattr(self, '_empty', 0):
+            warnings.warn(f"GradientProbeCallback: {self._empty} of this fit's epochs had no probed step (one step in `every={self.every}` is "
+                          f"probed, counted over the fit): their columns are NaN; lower `every` to probe every epoch", stacklevel=2)
 
     def _step_rows(self):
         "`(xb, yb, u, B)`: the rows the Gramian is taken over, the step's weights on them, and how many of them are the whole batch"
@@ -225,11 +242,12 @@ class GradientProbeCallback(Callback):
         a = axs[2]
         al = [(r['iter'], r['alpha']) for r in rs if r.get('alpha') is not None]
         a.plot([i for i, _ in al], [x for _, x in al], '.', color='C2'); a.axhline(0, color='k', lw=.5)
-        a.set_ylabel('α (0: the minimum along the step)')
+        a.set_ylabel('α: < 0 short of the minimum along the step, 0 at it, > 0 past it', fontsize=8)
         a = axs[3]
         a.plot(it, [r['rho'] for r in rs], '.-', color='C3'); a.set_ylim(-1.05, 1.05)
         a.set_ylabel('Spearman: loss vs gradient norm')
         for a in axs: a.set_xlabel('training iteration'); a.grid(alpha=.3)
+        if len(axs[0].figure.axes) == len(axs): axs[0].figure.suptitle(f"Gradient probe: one step in {self.every}, {len(rs)} probed")   # a figure of its own
         return axs[0].figure
 
 # %% ../nbs/05a_probe.ipynb #cc67f820

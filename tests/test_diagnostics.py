@@ -69,3 +69,12 @@ def test_sampler_diagnostics_before_any_fit():
     fig = StaleLossPruningCallback().plot_diagnostics()
     assert len(fig.axes) == 3 and all(s.get_data().values.sum() == 0 for s in fig.axes[1].patches)
     plt.close(fig)
+
+def test_the_diagnostics_rows_share_the_fits_start(digits):
+    "An unfiltered first epoch shows as empty on the per-batch panels, as on the histograms below them, not cut off"
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat()).batch_loss_filter(min_loss_perc=.9)
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    fig = learn.loss_filter.plot_diagnostics()
+    assert [ax.get_xlim()[0] for ax in fig.axes[:2]] == [0, 0] and min(b['iter'] for b in learn.loss_filter.stats) > 0
+    plt.close(fig)

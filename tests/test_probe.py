@@ -259,6 +259,9 @@ def test_a_plain_step_is_probed_once_over_its_batch(digits):
     spy = RowsSpy(learn.probe)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     assert spy.seen and all(n == B and torch.allclose(u, torch.full((B,), 1 / B, dtype=torch.float64)) for n, B, u in spy.seen)
+    import matplotlib; matplotlib.use('Agg')
+    fig = learn.probe.plot_probe()
+    assert fig._suptitle.get_text() == f'Gradient probe: one step in 5, {len(spy.seen)} probed' and '< 0 short of the minimum' in fig.axes[2].get_ylabel()
 
 def test_stale_prunings_loss_weights_reach_the_probe(digits):
     set_seed(0)
@@ -269,3 +272,11 @@ def test_stale_prunings_loss_weights_reach_the_probe(digits):
     with learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-3)
     pruned = [(n, B, u) for n, B, u in spy.seen if len(u.unique()) > 1]   # up-weighted easy rows: 2/B beside 1/B
     assert pruned and all(n == B and torch.isclose(u.max(), 2 * u.min()) for n, B, u in pruned)
+
+def test_the_probe_warns_of_its_cost_and_of_epochs_it_never_probed(digits):
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), bench_cnn(), loss_func=CrossEntropyLossFlat())
+    learn.gradient_probe(every=1)
+    with pytest.warns(UserWarning, match=r"probes took \d+% of this epoch's training time at `every=1`"), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    learn.gradient_probe(every=1000)
+    with pytest.warns(UserWarning, match='2 of this fit.s epochs had no probed step'), learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-3)

@@ -90,11 +90,12 @@ def test_use_section_runs_as_one_session(tmp_path):
     tables = fit_tables(r.stdout + r.stderr)
     fits = re.findall(r'^[^#\n]*\bfit\w*\(', code, re.M)
     assert len(tables) == len(fits), f"{len(fits)} fits in the Use blocks, {len(tables)} fit tables printed"
-    removed = code.index('remove_cb(learn.loss_filter)') if 'remove_cb(learn.loss_filter)' in code else len(code)
-    filtered = len(re.findall(r'^[^#\n]*\bfit\w*\(', code[:removed], re.M))
+    on = lambda at: max((m.end() for m in re.finditer(r'\.(batch_loss_filter|selective_backprop|top_loss|stale_loss_pruning|hide_learned)\(', code[:at])), default=-1) \
+                    > max((m.end() for m in re.finditer(r'remove_cb\(learn\.loss_filter\)', code[:at])), default=-1)   # a filter added since the last removal
+    filtered = [on(m.start()) for m in re.finditer(r'^[^#\n]*\bfit\w*\(', code, re.M)]
     for i, (header, rows) in enumerate(tables):
         cols = {'samp_perc', 'loss_perc', 'full_train_loss'}
-        if i < filtered: assert cols <= set(header), f"fit {i + 1} runs with a filter, but its table has no {cols}: {header}"
+        if filtered[i]: assert cols <= set(header), f"fit {i + 1} runs with a filter, but its table has no {cols}: {header}"
         else: assert not cols & set(header), f"fit {i + 1} runs after `remove_cb`, but its table has filter columns: {header}"
         assert rows, f"fit {i + 1} printed no rows"
         samp = [float(row[header.index('samp_perc')]) for row in rows] if 'samp_perc' in header else []

@@ -53,3 +53,22 @@ def test_a_target_finer_than_one_validation_example_is_warned(dls):
     make = lambda: Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     with pytest.warns(UserWarning, match='finer than one of the 450 validation examples'):
         compare_filters(make, 'baseline', epochs=1, seeds=1, controls=False, show_progress=False)
+
+def test_the_comparisons_figure_is_one_picture_a_reader_can_read(err_cmp):
+    import matplotlib; matplotlib.use('Agg')
+    from matplotlib.figure import Figure
+    fig = err_cmp.plot()
+    assert isinstance(fig, Figure) and len(fig.axes) == 2          # `plt.savefig` after it saves both panels
+    top, bottom = fig.axes
+    assert 'range over seeds' in top.get_title() and 'error_rate' in top.get_ylabel() and 'error_rate' in bottom.get_ylabel()
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
+    assert all(len(l) <= 50 for l in labels) and not any(l.startswith('random_batch:') for l in labels)
+    assert any(l.startswith('random choice, keep') for l in labels) and any(l.startswith('plain, ') for l in labels)
+    colour = lambda ax, name: next(h.get_color() if hasattr(h, 'get_color') else h.lines[0].get_color()
+                                   for h, t in zip(*ax.get_legend_handles_labels()) if t == name)
+    assert tuple(colour(top, 'blf')) == tuple(colour(bottom, 'blf'))   # a method keeps its colour across the panels
+
+def test_short_labels_say_the_controls_in_words():
+    from loss_filters.plots import short_label
+    assert short_label('random_batch:keep=0.557,start=0,end=1,interrupt=0,skip_epochs=1,fill_batch=0') == 'random choice, keep 0.56'
+    assert short_label('baseline:epochs=7') == 'plain, 7 epochs' and short_label('blf:proxy=.25') == 'blf:proxy=.25'
