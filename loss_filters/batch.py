@@ -100,11 +100,10 @@ class LossFilterCallback(LossFilterBase):
                              "from its own batches and drift from the others; train on one process, or score with the model itself")
         dev = next(learn.model.parameters()).device
         if self.proxy is None or self.proxy.loss_func is not learn.loss_func:
-            self.score_model.to(dev)
             params = [p for p in self.score_model.parameters() if p.requires_grad]
             opt = learn.opt_func(params, lr=learn.lr)   # the Learner's kind of optimizer; its rate and momentum follow the Learner's each step
             self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=opt, train_every=self.train_every, scale_factor=self.scale_factor)
-        self.proxy.model.to(dev)
+        self.proxy.model.to(dev)   # its parameters move in place: the optimizer keeps them
         self.fit_proxy = [self.proxy.n_scored, self.proxy.n_trained]   # the counts at the fit's start
 
     def proxy_work(self) -> tuple:

@@ -14,7 +14,7 @@ from .core import check_range
 from .base import LossFilterBase
 from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, seeded_proxy, StopAfter
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
-                                   best_plain, verdict_lines, payoff_line, payoff_word, format_table, ci_text, ci_level, ratio_text, pct_text)
+                                   best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text)
 from .plots import budget_figure, time_figure, save_figure
 
 # %% auto #0
@@ -79,11 +79,11 @@ class Comparison:
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
         better = 'lower' if self.sign < 0 else 'higher'
         how = 'given' if self.settings.get('fixed_target') else f"the plain model's median final value, {self.settings.get('target_drop', .002):g} worse"
-        head = f"Compared on {self.metric} ({better} is better) over {_seeds(self.settings['seeds'])}, to the target {self.target_value:.4f} ({how}); tests at {pct_text(self.alpha)}."
+        head = f"Compared on {self.metric} ({better} is better) over {seeds_text(self.settings['seeds'])}, to the target {self.target_value:.4f} ({how}); tests at {pct_text(self.alpha)}."
         what = ("'less work' is the plain side's work to the target over the method's, paired by seed: above 1x the method got there with less; "
                 "the plain side is " + ('the cheapest shorter plain schedule (training less).' if has else 'the plain model (training less was not run).'))
         table = _text_table([['method', 'reached target', 'less work', f'{lvl}% interval', 'payoff']] +
-                            [[r['method'], f"{r['reached']} of {r['repeats']}", ratio_text(_payoff_x(r, has)), ci_text(_payoff_ci(r, has)) or '-', payoff_word(r, has)]
+                            [[r['method'], f"{r['reached']} of {r['repeats']}", *_payoff(r, has), payoff_word(r, has)]
                              for r in self.rows if r['method'] not in skip])
         return '\n'.join([textwrap.fill(head, 100), textwrap.fill(what, 100), '', table, '',
                           'More: cmp.brief() (accuracy verdicts), cmp.verdicts (in words), cmp.table (every figure).'])
@@ -133,9 +133,10 @@ def _text_table(rows:list) -> str:
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in rows)
 
-def _payoff_x(r:dict, has_budgets:bool): return r.get('vs_best_plain_work_x') if has_budgets else r.get('work_x')
-def _payoff_ci(r:dict, has_budgets:bool): return r.get('vs_best_plain_work_ci') if has_budgets else r.get('work_x_ci')
-def _seeds(n:int) -> str: return f"{n} seed{'s' if n != 1 else ''}"
+def _payoff(r:dict, has_budgets:bool) -> list:
+    "The work ratio a payoff is judged on, and its interval, as text"
+    x, t = payoff_test(r, has_budgets)
+    return [ratio_text(x), ci_text((t['lo'], t['hi']) if t and t['lo'] is not None else None) or '-']
 
 # %% ../nbs/11_compare.ipynb #7fd53d59
 def _metric_names(learn) -> list: return ['valid_loss'] + [m.name for m in learn.metrics]
@@ -259,7 +260,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
 
 # %% ../nbs/11_compare.ipynb #ab5ad80b
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
-                    methods:str|list='baseline blf stale hide', # methods, space-separated or a list, spelled as `lf_bench`'s: `"baseline blf sb:keep=.3 topk:proxy=.25"`
+                    methods:str|list='baseline blf stale hide', # methods, space-separated or a list: `baseline`, `blf`, `sb`, `topk`, `stale`, `hide` (`blf_gn`, `sb_gn`, `stale_gn` rank by the gradient norm), the controls `random_batch` and `random`; settings after a colon (`"sb:keep=.3,start=0"`), `epochs=`/`lr_mult=` on any, `proxy=.25` on a batch filter
                     epochs:int=5, # epochs of the full schedule (a method's own `epochs=` overrides it)
                     lr:float=1e-3, # (maximum) learning rate of the fit
                     seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
@@ -287,7 +288,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     alpha:float=.05, # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
                     make_proxy=None # `make_proxy(width) -> nn.Module`: the small model scoring a method spelled with `proxy=width` (`"blf:proxy=.25"`)
                    ) -> Comparison:
-    "Train the plain model and every method from the same seeds on Learners from `make_learner`, with the controls, and judge each"
+    "Train the plain model and every method from the same seeds on Learners from `make_learner`, beside training less and random choice at each method's share, count their work exactly, and judge each at `alpha`: `print` the result"
     specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
     if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
         raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")

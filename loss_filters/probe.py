@@ -139,12 +139,16 @@ class GradientProbeCallback(Callback):
         pooled = getattr(filt, 'pooled_step', False) and getattr(filt, 'run', False)   # asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`
         if not pooled:   # the step's loss is `Σwᵢℓᵢ / n` over the `n` rows it trains, `wᵢ = 1` without weights
             u, rows = torch.zeros(B, dtype=torch.float64), (idxs.cpu() if idxs is not None else torch.arange(B))
-            u[rows] = (1. if weights is None else weights.detach().double().cpu()) / len(rows)
+            u[rows] = (1. if weights is None else weights.detach().double().cpu()) / (1 if self._summed() else len(rows))
             return xb, yb, u, B
         k = find_bs(learn.yb)   # a pooled batch: both parts in one Gramian
         cat = lambda a, b: tuple(torch.cat([s, t]) for s, t in zip(a, b))
-        u = torch.cat([torch.zeros(B, dtype=torch.float64), torch.full((k,), 1 / k, dtype=torch.float64)])
+        u = torch.cat([torch.zeros(B, dtype=torch.float64), torch.full((k,), 1 if self._summed() else 1 / k, dtype=torch.float64)])
         return cat(xb, learn.xb), cat(yb, learn.yb), u, B
+
+    def _summed(self) -> bool:
+        "Whether the Learner's loss sums over the batch (`reduction='sum'`): a step's gradient is then the sum of its rows', not their mean"
+        return getattr(self.learn.loss_func, 'reduction', 'mean') == 'sum'
 
     def _as_loss_sees(self, pred):
         "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple)"
@@ -169,7 +173,7 @@ class GradientProbeCallback(Callback):
         G, losses = self._untouched(per_example_gramian, learn.model, xb, yb, learn.loss_func, modules=self.modules, train=self.train,
                                     after_pred=self._as_loss_sees, return_losses=True)
         G = G.double().cpu()
-        v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 / B
+        v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 if self._summed() else 1 / B   # the whole batch's step, reduced as the loss reduces it
         base_norm = gram_norm(G, v)
         trained = u[:B] if len(u) == B else torch.full((find_bs(learn.yb),), 1 / find_bs(learn.yb), dtype=torch.float64)
         rand_cos, rand_norm = [], []

@@ -12,8 +12,8 @@ from .stats import paired_test, shown, seeds_needed, TYPICAL_LOG_SD
 
 # %% auto #0
 __all__ = ['per_seed', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control', 'control_specs',
-           'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'points_text', 'payoff_word',
-           'payoff_line', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
+           'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'points_text', 'seeds_text',
+           'payoff_test', 'payoff_word', 'payoff_line', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -245,9 +245,9 @@ def points_text(v:dict, what:str) -> str:
     ci = f", {pct_text(v['level'])} CI {v['lo'] * 100:+.2f} to {v['hi'] * 100:+.2f}" if v.get('lo') is not None else ''
     return f"{v['diff'] * 100:+.2f} points against {what}{ci} ({v['verdict']})"
 
-def _seeds(n:int) -> str: return f"{n} seed{'s' if n != 1 else ''}"
+def seeds_text(n:int) -> str: return f"{n} seed{'s' if n != 1 else ''}"
 
-def _payoff_test(r:dict, has_budgets:bool) -> tuple:
+def payoff_test(r:dict, has_budgets:bool) -> tuple:
     "The work ratio to the target a payoff is judged on, and its test"
     return (r.get('vs_best_plain_work_x'), r.get('vs_best_plain_work_test')) if has_budgets else (r.get('work_x'), r.get('work_x_test'))
 
@@ -256,7 +256,7 @@ def payoff_word(r:dict, has_budgets:bool) -> str:
     if r.get('never_filtered'): return 'never filtered'
     if r.get('unpaired'): return 'unpaired'
     if r.get('reached', 0) < r.get('repeats', 1): return 'misses the target'
-    x, t = _payoff_test(r, has_budgets)
+    x, t = payoff_test(r, has_budgets)
     if x is None or t is None: return 'no work to compare'
     return {'above': 'pays', 'below': 'does not pay', 'not shown': 'no gain shown', None: 'no verdict (1 seed)'}[shown(t)]
 
@@ -265,7 +265,7 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
     m, a = r['method'], r.get('alpha', .05)
     what = 'the cheapest plain schedule (training less)' if has_budgets else 'the plain model (training less was not run)'
     tail = f"; at equal work {points_text(r['vs_budget'], 'training less')}" if r.get('vs_budget') else ''
-    word, (x, t) = payoff_word(r, has_budgets), _payoff_test(r, has_budgets)
+    word, (x, t) = payoff_word(r, has_budgets), payoff_test(r, has_budgets)
     if word == 'never filtered': return f"{m}: never filtered (the fit is too short for its schedule)"
     if word == 'unpaired': return f"{m}: no verdict: {r['unpaired']} of its runs have no plain run of their own seed to be paired with (run the baseline on every seed)"
     if word == 'misses the target':
@@ -276,7 +276,7 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
         k = seeds_needed(math.log(x), TYPICAL_LOG_SD, a) if x > 1 else None
         return (f"{m}: no verdict from 1 seed: {x:.2f}x less work to the target than {what}; no level can be shown without a spread "
                 f"over seeds: run {k or 2} or more" + (" (a gain of this size at the spread measured on the benchmark presets)" if k else ''))
-    head = f"at {pct_text(a)} ({_seeds(t['n'])})"
+    head = f"at {pct_text(a)} ({seeds_text(t['n'])})"
     rand = r.get('vs_random')
     if word == 'pays':
         why = ("; but random choice at its share ends more accurate, so the saving is not its choice of examples" if rand['verdict'] == 'loses' else
@@ -285,7 +285,7 @@ def payoff_line(r:dict, has_budgets:bool) -> str:
         return f"{m}: pays {head}: {x:.2f}x less work to the target than {what}{_ci_x(t)}{why}{tail}"
     if word == 'does not pay': return f"{m}: does not pay {head}: {x:.2f}x against {what}{_ci_x(t)}, which gets to the target with less work{tail}"
     k = seeds_needed(math.log(x), t['sd'], a) if x > 1 and t['sd'] else None
-    plan = (f"; {_seeds(t['n'])} cannot show a gain of this size at this spread: run {k}" if k else
+    plan = (f"; {seeds_text(t['n'])} cannot show a gain of this size at this spread: run {k}" if k else
             "; a gain of this size at this spread would need more than 100 seeds" if x > 1 and t['sd'] else '')
     return f"{m}: no gain shown {head}: {x:.2f}x against {what}{_ci_x(t)}{plan}{tail}"
 
@@ -298,7 +298,7 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
         m = r['method']
         if m == 'baseline' or m in budgets or m in controls: continue
         if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
-        s = (f"{m} ({_seeds(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
+        s = (f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
              f"work to it {ratio_text(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} the baseline's and {ratio_text(r.get('vs_best_plain_work_x'))}"
              f"{_ci_x(r.get('vs_best_plain_work_test'))} the cheapest plain schedule's; wall-clock {ratio_text(r.get('target_x'))} and {ratio_text(r.get('vs_best_plain_x'))}")
         for k, what in (('vs_plain', 'the plain model'), ('vs_budget', 'training less at equal work'), ('vs_random', 'random choice at its share'),

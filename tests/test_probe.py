@@ -280,3 +280,15 @@ def test_the_probe_warns_of_its_cost_and_of_epochs_it_never_probed(digits):
     with pytest.warns(UserWarning, match=r"probes took \d+% of this epoch's training time at `every=1`"), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     learn.gradient_probe(every=1000)
     with pytest.warns(UserWarning, match='2 of this fit.s epochs had no probed step'), learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-3)
+
+def test_a_summed_loss_gives_the_probe_summed_steps(digits):
+    "With `reduction='sum'` the step's gradient is the sum of its rows': weight 1 a row, not 1/k (the norm ratios would be off by k/B)"
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=32), bench_cnn(), loss_func=CrossEntropyLossFlat(reduction='sum'))
+    learn.batch_loss_filter(min_loss_perc=.9, skip_epochs=0)
+    learn.gradient_probe(every=4)
+    spy = RowsSpy(learn.probe)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-4)
+    assert spy.seen and all(set(u[u > 0].tolist()) == {1.} for _, _, u in spy.seen)
+    r = learn.probe.stats[0]
+    assert r['trained'] < r['bs'] and r['norm_ratio'] < 1.5   # a part of the batch's summed gradient, not k/B times inflated
