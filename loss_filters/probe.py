@@ -6,7 +6,7 @@
 from __future__ import annotations
 import math, statistics, time, warnings
 import torch
-from torch import Tensor
+from torch import nn, Tensor
 from fastcore.basics import store_attr, patch
 from fastcore.foundation import L
 from fastcore.meta import delegates
@@ -88,6 +88,11 @@ class GradientProbeCallback(Callback):
         self.gen = own_generator(next(self.learn.model.parameters()).device)   # its random choices: never torch's global draws
         self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None
                           and not isinstance(cb, (MixedPrecision, LossFilterBase))]
+        filt = getattr(self.learn, 'loss_filter', None)
+        if self.train and filt is not None and hasattr(filt, 'select') and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.learn.model.modules()):
+            warnings.warn("GradientProbeCallback(train=True) beside a batch filter on a model with BatchNorm: the Gramian is taken under the whole "
+                          "batch's statistics, while a filtered step normalises its kept rows by their own, so `grad_cos` and the norm ratios "
+                          "only approximate the step's (the default `train=False` measures in eval mode, the same for every row)", stacklevel=2)
 
     def before_train(self):
         self._training, self._epoch0 = True, len(self.stats)

@@ -292,3 +292,8 @@ def test_a_summed_loss_gives_the_probe_summed_steps(digits):
     assert spy.seen and all(set(u[u > 0].tolist()) == {1.} for _, _, u in spy.seen)
     r = learn.probe.stats[0]
     assert r['trained'] < r['bs'] and r['norm_ratio'] < 1.5   # a part of the batch's summed gradient, not k/B times inflated
+
+def test_train_mode_beside_a_batch_filter_on_batchnorm_is_warned(digits):
+    learn = Learner(make_dls(*digits, bs=32), bench_cnn(), loss_func=CrossEntropyLossFlat()).batch_loss_filter(min_loss_perc=.9, skip_epochs=0)
+    learn.gradient_probe(every=100, train=True)
+    with pytest.warns(UserWarning, match=r"train=True\) beside a batch filter on a model with BatchNorm"), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
