@@ -180,18 +180,19 @@ class GradientProbeCallback(Callback):
         G = G.double().cpu()
         v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 if self._summed() else 1 / B   # the whole batch's step, reduced as the loss reduces it
         base_norm = gram_norm(G, v)
-        trained = u[:B] if len(u) == B else torch.full((find_bs(learn.yb),), 1 / find_bs(learn.yb), dtype=torch.float64)
+        pooled = len(u) != B   # a `fill_batch` step on pooled rows: random rows of this batch are not its twin, so no random comparison
+        trained = u[:B] if not pooled else u[B:]
         rand_cos, rand_norm = [], []
-        for _ in range(self.n_random):   # the step's weights dealt to random rows of the batch
+        for _ in range(0 if pooled else self.n_random):   # the step's weights dealt to random rows of the batch
             r = torch.zeros(len(u), dtype=torch.float64)
             rows = torch.randperm(B, generator=self.gen, device=self.gen.device)[:len(trained)].cpu()
             r[rows] = trained[torch.randperm(len(trained), generator=self.gen, device=self.gen.device).cpu()]
             rand_cos.append(gram_cos(G, r, v).item()); rand_norm.append((gram_norm(G, r) / base_norm).item())
-        rc = torch.tensor(rand_cos)
-        self.stats.append(dict(iter=learn.train_iter, epoch=learn.epoch, bs=B, trained=int((u[:B] > 0).sum()) if len(u) == B else len(trained),
-                               grad_cos=gram_cos(G, u, v).item(), rand_cos=rc.mean().item(), rand_cos_min=rc.min().item(),
-                               rand_cos_max=rc.max().item(), rand_cos_sd=rc.std().item() if len(rc) > 1 else 0.,
-                               norm_ratio=(gram_norm(G, u) / base_norm).item(), rand_norm_ratio=sum(rand_norm) / len(rand_norm),
+        rc, nan = torch.tensor(rand_cos, dtype=torch.float64), float('nan')
+        self.stats.append(dict(iter=learn.train_iter, epoch=learn.epoch, bs=B, trained=int((u[:B] > 0).sum()) if not pooled else len(trained),
+                               grad_cos=gram_cos(G, u, v).item(), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
+                               rand_cos_max=rc.max().item() if len(rc) else nan, rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
+                               norm_ratio=(gram_norm(G, u) / base_norm).item(), rand_norm_ratio=sum(rand_norm) / len(rand_norm) if rand_norm else nan,
                                rho=spearman(losses[:B].cpu(), G.diagonal()[:B].clamp_min(0).sqrt()), alpha=None,
                                lr=float(learn.opt.hypers[-1]['lr'])))
         if self.alpha:   # the step's start: its examples and the parameters before it moves them

@@ -297,3 +297,15 @@ def test_train_mode_beside_a_batch_filter_on_batchnorm_is_warned(digits):
     learn = Learner(make_dls(*digits, bs=32), bench_cnn(), loss_func=CrossEntropyLossFlat()).batch_loss_filter(min_loss_perc=.9, skip_epochs=0)
     learn.gradient_probe(every=100, train=True)
     with pytest.warns(UserWarning, match=r"train=True\) beside a batch filter on a model with BatchNorm"), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+
+def test_a_pooled_step_is_not_compared_with_random_rows_and_a_partial_batch_does_not_crash(digits):
+    "`fill_batch`: the step's rows come from the pool, so random rows of this batch are no twin (NaN, not a cosine of 1); a last, partial batch probes"
+    set_seed(0)
+    dls = make_dls(*digits, bs=64, drop_last=False)
+    learn = Learner(dls, bench_cnn(), loss_func=CrossEntropyLossFlat())
+    learn.selective_backprop(keep=.6, start=0., end=1., interrupt=0, fill_batch=True)
+    learn.gradient_probe(every=1)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    pooled = [r for r in learn.probe.stats if math.isnan(r['rand_cos'])]
+    assert pooled and all(math.isnan(r['rand_norm_ratio']) for r in pooled)
+    assert learn.probe.stats[-1]['iter'] == len(dls.train) - 1   # the partial last batch was probed
