@@ -10,10 +10,12 @@ from torch import nn, Tensor
 from .core import per_sample_loss, plain, downsample, frozen_norm_stats, check_int, check_range, check_per_sample
 
 # %% auto #0
-__all__ = ['check_score_model', 'ProxyScorer']
+__all__ = ['first_output', 'check_score_model', 'ProxyScorer']
 
 # %% ../nbs/00b_proxy.ipynb #21a86c29
-def _first(pred): return pred[0] if isinstance(pred, (tuple, list)) else pred   # a text model returns (output, raw, dropped)
+def first_output(pred):
+    "The output a loss reads: the first element of a tuple (a text model returns `(output, raw, dropped)`), else `pred`"
+    return pred[0] if isinstance(pred, (tuple, list)) else pred
 
 def check_score_model(model, # the proxy the user gave
                       main:nn.Module|None=None): # the model being trained, which must share no parameter with it
@@ -72,7 +74,7 @@ class ProxyScorer:
             finally: self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state(cuda[0]) if cuda else None)
 
     def _losses(self, xb:tuple, yb:tuple) -> Tensor:
-        pred = _first(self.model(*downsample(plain(tuple(xb)), self.scale_factor)))
+        pred = first_output(self.model(*downsample(plain(tuple(xb)), self.scale_factor)))
         return per_sample_loss(self.loss_func, plain(pred), *plain(tuple(yb)))
 
     def check(self, xb:tuple, yb:tuple):

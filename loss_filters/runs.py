@@ -12,6 +12,7 @@ from fastai.callback.progress import ProgressCallback   # also patches `Learner.
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback
 from .core import plain, frozen_norm_stats
+from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
@@ -225,34 +226,31 @@ class StopAfter(Callback):
             sync_device(); self.secs = (time.perf_counter() - self.t0) / self.n   # data loading, forward, backward, step, callbacks
             raise CancelFitException()
 
-def _first(pred): return pred[0] if isinstance(pred, (tuple, list)) else pred   # text models return (output, raw, dropped)
+def _timing(learn, *models) -> tuple:
+    "A training batch of `learn` (plain tensors), and a timed training step for each of `models` (on the loaders' device, in training mode, Adam at 1e-6)"
+    b = learn.dls.train.one_batch()
+    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+    def stepper(m):
+        m.to(learn.dls.device).train()
+        opt = torch.optim.Adam(m.parameters(), lr=1e-6)
+        def step(): learn.loss_func(first_output(m(*xb)), *yb).backward(); opt.step(); opt.zero_grad()
+        return step
+    return xb, yb, [stepper(m) for m in models]
 
 def learner_score_cost(learn, n:int=10) -> float:
     "What scoring an example costs in training steps on `learn`'s model: a no-grad forward (norm statistics frozen) over a training step"
-    net = learn.model.to(learn.dls.device)   # its weights move a little (rate 1e-6): time it on a Learner that will not train on
-    opt = torch.optim.Adam(net.parameters(), lr=1e-6)
-    b = learn.dls.train.one_batch()
-    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
-    net.train()
+    net = learn.model   # its weights move a little (rate 1e-6): time it on a Learner that will not train on
+    xb, _, (step,) = _timing(learn, net)
     def forward():
         with torch.no_grad(), frozen_norm_stats(net): net(*xb)
-    def step():
-        learn.loss_func(_first(net(*xb)), *yb).backward(); opt.step(); opt.zero_grad()
     return timed(forward, n) / timed(step, n)
 
 def learner_proxy_cost(learn, # a Learner that will not train on (its weights move a little)
                        proxy:torch.nn.Module, # the proxy model
                        n:int=10) -> dict: # calls per timing round
     "What the proxy costs per example, in training steps of `learn`'s model: `score`, its no-grad forward; `step`, its forward, backward and step"
-    net = learn.model.to(learn.dls.device)
-    proxy = proxy.to(learn.dls.device).train()
-    opt, popt = (torch.optim.Adam(m.parameters(), lr=1e-6) for m in (net, proxy))
-    b = learn.dls.train.one_batch()
-    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
-    net.train()
-    def step(m, o):
-        learn.loss_func(_first(m(*xb)), *yb).backward(); o.step(); o.zero_grad()
+    xb, _, (step, proxy_step) = _timing(learn, learn.model, proxy)
     def forward():
         with torch.no_grad(): proxy(*xb)
-    main = timed(lambda: step(net, opt), n)
-    return dict(score=timed(forward, n) / main, step=timed(lambda: step(proxy, popt), n) / main)
+    main = timed(step, n)
+    return dict(score=timed(forward, n) / main, step=timed(proxy_step, n) / main)
