@@ -7,6 +7,7 @@ __all__ = []
 
 # %% ../nbs/07_all.ipynb #a11c0de3
 from .core import *
+from .geometry import *
 from .base import *
 from .batch import *
 from .sampler import *
@@ -16,5 +17,5 @@ from .proxy import *
 from .compare import compare_filters, Comparison, load_comparison
 
 # %% ../nbs/07_all.ipynb #a11c0de4
-from . import core, base, batch, sampler, controls, probe, proxy
-__all__ = list(dict.fromkeys(n for m in (core, base, batch, sampler, probe, proxy) for n in m.__all__)) + ['compare_filters', 'Comparison', 'load_comparison']   # the controls are in batch and sampler
+from . import core, geometry, base, batch, sampler, controls, probe, proxy
+__all__ = list(dict.fromkeys(n for m in (core, geometry, base, batch, sampler, probe, proxy) for n in m.__all__)) + ['compare_filters', 'Comparison', 'load_comparison']   # the controls are in batch and sampler

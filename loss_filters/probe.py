@@ -5,6 +5,7 @@
 # %% ../nbs/05a_probe.ipynb #4a751009
 from __future__ import annotations
 import math, statistics, time, warnings
+from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn, Tensor
 from fastcore.basics import store_attr, patch
@@ -12,10 +13,11 @@ from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
+from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner
 from fastai.torch_core import find_bs
-from .core import (per_example_gramian, gram_cos, gram_norm, directional_derivatives, step_alpha, check_int,
-                               dist_world, own_generator)
+from .geometry import per_example_gramian, directional_derivatives, step_alpha, example_gradients
+from .core import check_int, dist_world, own_generator
 from .base import LossFilterBase, FitColumns, by_keyword
 
 # %% auto #0
@@ -36,6 +38,11 @@ def _since(t:float, model) -> float:
     if next(model.parameters()).is_cuda: torch.cuda.synchronize()
     return time.perf_counter() - t
 
+@contextmanager
+def _full_precision():
+    "No autocast for a measurement (`MixedPrecision`'s is on between `before_batch` and `after_loss`)"
+    with torch.autocast('cpu', enabled=False), (torch.autocast('cuda', enabled=False) if torch.cuda.is_available() else nullcontext()): yield
+
 def _over(f, xs) -> float:
     "`f` (a mean, a median) of the values of `xs` that are there; NaN without any"
     xs = [x for x in xs if x is not None and not math.isnan(x)]
@@ -50,11 +57,11 @@ class ProbeColumns(FitColumns):
 
 # %% ../nbs/05a_probe.ipynb #a6f1cda8
 class GradientProbeCallback(Callback):
-    "Every `every`-th training batch: the step's gradient against the batch's and random choices of its size (Gramian), and the step's α"
+    "Every `every`-th training step: the step's gradient against the batch's and random choices of its size (Gramian), and the step's α"
     order,run_valid = LossFilterBase.order-1,False   # before any filter's `before_batch`: it sees the whole batch first
     name = 'probe'   # `learn.probe`; `learn.gradient_probe()` is the patch that adds it
     def __init__(self, *, # settings by keyword only
-                 every:int=50, # probe every `every`-th training batch (counted over the fit)
+                 every:int=50, # probe every `every`-th training step (counted over the fit; a batch a filter holds back takes no step)
                  n_random:int=8, # random choices of the step's size per probed batch
                  modules:list|None=None, # the Gramian over these modules' parameters only (e.g. the head); default the whole model
                  train:bool=False, # measure in training mode instead of eval mode (see above)
@@ -79,7 +86,7 @@ class GradientProbeCallback(Callback):
 
     def before_fit(self):
         self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
-        self._training, self._start, self._end, self._full = False, None, None, None
+        self._training, self._start, self._end, self._full, self._steps, self._due = False, None, None, None, 0, True
         if not self.run: return
         if dist_world()[1] > 1:
             raise ValueError("GradientProbeCallback cannot run with several processes: each process trains on its own part of the batch, and "
@@ -88,6 +95,10 @@ class GradientProbeCallback(Callback):
         self.gen = own_generator(next(self.learn.model.parameters()).device)   # its random choices: never torch's global draws
         self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None
                           and not isinstance(cb, (MixedPrecision, LossFilterBase))]
+        if self.alpha and any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
+            warnings.warn("GradientProbeCallback beside GradientAccumulation: a probed batch is a micro-batch that takes no optimizer step of its own, "
+                          "so its α is undefined and left None (`alpha_note` says why); the Gramian's columns are the micro-batch's. Pass alpha=False "
+                          "to skip α", stacklevel=2)
         filt = getattr(self.learn, 'loss_filter', None)
         if self.train and filt is not None and hasattr(filt, 'select') and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.learn.model.modules()):
             warnings.warn("GradientProbeCallback(train=True) beside a batch filter on a model with BatchNorm: the Gramian is taken under the whole "
@@ -109,28 +120,37 @@ class GradientProbeCallback(Callback):
             warnings.warn(f"GradientProbeCallback: its probes took {share:.0%} of this epoch's training time at `every={self.every}`; "
                           "a probe costs many training steps: raise `every` to spend less", stacklevel=2)
 
+    def _timed(self, f, *args):
+        t = time.perf_counter()
+        try:
+            with _full_precision(): f(*args)
+        finally: self.seconds += _since(t, self.learn.model)
+
     def before_batch(self):
-        "Keep the whole batch of a probed step, before any filter takes part of it"
-        self._full = (self.learn.xb, self.learn.yb) if self.learn.train_iter % self.every == 0 else None
+        "The end of the last probed step's α on this whole batch; keep the whole batch of a step due to be probed, before any filter takes part of it"
+        if self._end is not None: self._timed(self._finish_alpha)
+        self._full = (self.learn.xb, self.learn.yb) if self._due else None
 
     def after_loss(self):
-        if self._end is None and self._full is None: return
-        t = time.perf_counter()
-        if self._end is not None: self._finish_alpha()
-        if self._full is not None: self._probe()
-        self.seconds += _since(t, self.learn.model)
+        if self._full is not None: self._due = False; self._timed(self._probe)
 
     def after_step(self):
-        if self._start is None: return
-        t = time.perf_counter()
-        self._start_alpha()
-        self.seconds += _since(t, self.learn.model)
+        "Count the step (the next one due is probed whatever a filter holds back); the probed step's α starts here"
+        self._steps += 1
+        if self._steps % self.every == 0: self._due = True
+        if self._start is not None: self._timed(self._start_alpha)
 
-    def after_cancel_step(self): self._start = None    # no step was applied: no α to measure
-    def after_cancel_batch(self): self._start = None
+    def _no_alpha(self, why:str):
+        if self._start is not None: self._start[-1]['alpha_note'] = why
+        self._start = None
+
+    def after_cancel_step(self): self._no_alpha('no optimizer step')   # no step was applied: no α to measure
+    def after_cancel_batch(self): self._no_alpha('no optimizer step')
 
     def after_fit(self):
-        self._training, self._full, self._start, self._end = False, None, None, None
+        if self._end is not None: self._end[-1]['alpha_note'] = 'the fit ended before a next batch'
+        self._no_alpha('the fit ended before a next batch')
+        self._training, self._full, self._end = False, None, None
         if self.run and getattr(self, '_empty', 0):
             warnings.warn(f"GradientProbeCallback: {self._empty} of this fit's epochs had no probed step (one step in `every={self.every}` is "
                           f"probed, counted over the fit): their columns are NaN; lower `every` to probe every epoch", stacklevel=2)
@@ -171,63 +191,83 @@ class GradientProbeCallback(Callback):
                 for k, v in s.items():
                     if d.get(k, _missing) is not v: d[k] = v
 
+    def _gram_stats(self, xb, yb, W:Tensor) -> tuple:
+        "`(WᵀGW, diag G, losses, sketch)` for the rows `xb, yb`: from their per-example gradients' factors, or torchjd's Gramian where a layer has no rule"
+        learn = self.learn
+        kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
+        sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
+        if sk is not None:
+            Q, diag = sk.stats(W)
+            return Q.double().cpu(), diag.double().cpu(), sk.losses.cpu(), sk
+        G, losses = self._untouched(per_example_gramian, learn.model, xb, yb, learn.loss_func, return_losses=True, engine='torchjd', **kw)
+        G = G.double().cpu()
+        return W.T @ G @ W, G.diagonal(), losses.cpu(), None
+
     def _probe(self):
-        "The Gramian of the probed batch, and what it says of the step against the batch and against chance"
+        "The probed batch's per-example gradients, and what they say of the step against the batch and against chance"
         learn = self.learn
         xb, yb, u, B = self._step_rows()
-        G, losses = self._untouched(per_example_gramian, learn.model, xb, yb, learn.loss_func, modules=self.modules, train=self.train,
-                                    after_pred=self._as_loss_sees, return_losses=True)
-        G = G.double().cpu()
-        v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 if self._summed() else 1 / B   # the whole batch's step, reduced as the loss reduces it
-        base_norm = gram_norm(G, v)
         pooled = len(u) != B   # a `fill_batch` step on pooled rows: random rows of this batch are not its twin, so no random comparison
+        v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 if self._summed() else 1 / B   # the whole batch's step, reduced as the loss reduces it
         trained = u[:B] if not pooled else u[B:]
-        rand_cos, rand_norm = [], []
+        cols = [u, v]
         for _ in range(0 if pooled else self.n_random):   # the step's weights dealt to random rows of the batch
             r = torch.zeros(len(u), dtype=torch.float64)
             rows = torch.randperm(B, generator=self.gen, device=self.gen.device)[:len(trained)].cpu()
             r[rows] = trained[torch.randperm(len(trained), generator=self.gen, device=self.gen.device).cpu()]
-            rand_cos.append(gram_cos(G, r, v).item()); rand_norm.append((gram_norm(G, r) / base_norm).item())
-        rc, nan = torch.tensor(rand_cos, dtype=torch.float64), float('nan')
+            cols.append(r)
+        Q, diag, losses, sk = self._gram_stats(xb, yb, torch.stack(cols, 1))
+        n = Q.diagonal().clamp_min(0).sqrt()   # the norms of the weighted gradients
+        cos = lambda i: (Q[i, 1] / (n[i] * n[1])).item() if n[i] * n[1] > 0 else 0.
+        rc, nan = torch.tensor([cos(i) for i in range(2, len(cols))], dtype=torch.float64), float('nan')
+        rn = [(n[i] / n[1]).item() for i in range(2, len(cols))]
         self.stats.append(dict(iter=learn.train_iter, epoch=learn.epoch, bs=B, trained=int((u[:B] > 0).sum()) if not pooled else len(trained),
-                               grad_cos=gram_cos(G, u, v).item(), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
+                               grad_cos=cos(0), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
                                rand_cos_max=rc.max().item() if len(rc) else nan, rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
-                               norm_ratio=(gram_norm(G, u) / base_norm).item(), rand_norm_ratio=sum(rand_norm) / len(rand_norm) if rand_norm else nan,
-                               rho=spearman(losses[:B].cpu(), G.diagonal()[:B].clamp_min(0).sqrt()), alpha=None,
+                               norm_ratio=(n[0] / n[1]).item(), rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
+                               rho=spearman(losses[:B], diag[:B].clamp_min(0).sqrt()), alpha=None, alpha_note=None,
                                lr=float(learn.opt.hypers[-1]['lr'])))
-        if self.alpha:   # the step's start: its examples and the parameters before it moves them
-            self._start = (learn.xb, learn.yb, {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad},
-                           self.stats[-1])
+        if self.alpha:   # the step's start: the whole batch at the parameters before the step (the sketch's own rows when it covers every parameter)
+            whole = sk if sk is not None and self.modules is None else None
+            self._start = (self._full, whole, B, {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad}, self.stats[-1])
 
     def _measure(self, xb, yb, params=None) -> tuple:
-        "Mean and variance over the examples of the losses and of their derivatives along the unit step direction"
+        "The losses and their derivatives along the unit step direction of the examples of `xb, yb`"
         l, dd = self._untouched(directional_derivatives, self.learn.model, xb, yb, self.learn.loss_func, self._unit, params=params,
                                 train=self.train, after_pred=self._as_loss_sees)
+        return l, dd
+
+    @staticmethod
+    def _moments(l:Tensor, dd:Tensor) -> tuple:
+        "Mean and variance over the examples of the losses and of their derivatives"
         var = lambda t: t.var().item() if len(t) > 1 else 0.
         return l.mean().item(), var(l), dd.mean().item(), var(dd)
 
     def _start_alpha(self):
-        xb, yb, before, rec = self._start
+        (xb, yb), sk, B, before, rec = self._start
         self._start = None
         named = dict(self.learn.model.named_parameters())
         d = {k: named[k].detach() - p for k, p in before.items()}
         t = math.sqrt(sum(float(x.double().pow(2).sum()) for x in d.values()))
         rec['step_size'] = t
-        if t == 0: rec['alpha'] = -1.; return
+        if t == 0: rec['alpha'], rec['alpha_epoch'] = -1., self.epoch; return
         self._unit = {k: x / t for k, x in d.items()}
-        self._end = (t, self._measure(xb, yb, params=before), rec)
+        l, dd = (sk.losses[:B], sk.along(self._unit)[:B]) if sk is not None else self._measure(xb, yb, params=before)
+        self._end = (t, self._moments(l, dd), rec)
 
     def _finish_alpha(self):
+        "The step's end on the next whole batch, as its start was on its own whole batch: both points on the same kind of rows"
         t, (f0, vf0, df0, vdf0), rec = self._end
         self._end = None
-        f1, vf1, df1, vdf1 = self._measure(self.learn.xb, self.learn.yb)
-        rec['alpha'] = step_alpha(t, (f0, f1), (vf0, vf1), (df0, df1), (vdf0, vdf1))
+        f1, vf1, df1, vdf1 = self._moments(*self._measure(self.learn.xb, self.learn.yb))
+        rec['alpha'], rec['alpha_epoch'] = step_alpha(t, (f0, f1), (vf0, vf1), (df0, df1), (vdf0, vdf1)), self.epoch
         self._unit = None
 
     def epoch_means(self) -> list:
-        "The fit table's columns over this epoch's probed batches (NaN without any): means, and α's median (a fit whose slope is nearly flat gives α far from 0)"
+        "The fit table's columns: means over this epoch's probed batches, and the median of the α values measured during this epoch (a step's α is known at the next batch, so the last probed step of an epoch counts in the next); NaN without any"
         rs = self.stats[self._epoch0:]
-        return [_over(statistics.median if k == 'alpha' else statistics.fmean, [r[k] for r in rs]) for k in ProbeColumns.names]
+        alphas = [r['alpha'] for r in self.stats if r.get('alpha_epoch') == self.epoch]
+        return [_over(statistics.median, alphas) if k == 'alpha' else _over(statistics.fmean, [r[k] for r in rs]) for k in ProbeColumns.names]
 
     def table(self):
         "Every probed batch as a DataFrame"

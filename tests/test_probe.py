@@ -1,9 +1,9 @@
 "The gradient probe and the functions under it: the Gramian against brute force, subsets' cosines against real backward passes, cockpit's α against an exact quadratic and against cockpit, and fits left bit for bit as they were"
 import math, random, sys
 import numpy as np, pandas as pd, pytest, torch, torch.nn as nn, torch.nn.functional as F
-from fastai.basics import Learner, CrossEntropyLossFlat, accuracy, set_seed, SGD, Adam
+from fastai.basics import Learner, CrossEntropyLossFlat, accuracy, set_seed, SGD, Adam, Callback
 from loss_filters.all import *
-from loss_filters.core import per_example_gramian, gram_cos, gram_norm, directional_derivatives, step_alpha
+from loss_filters.geometry import per_example_gramian, gram_cos, gram_norm, directional_derivatives, step_alpha, example_gradients
 from loss_filters.probe import GradientProbeCallback
 from loss_filters.models import simple_cnn
 from conftest import make_dls, mlp, bn_mlp, bn_cnn, tabular_df
@@ -18,17 +18,74 @@ def brute_jacobian(model, x, y, params):
 
 def bench_cnn(): return simple_cnn(1, 10, widths=(8, 16))   # BatchNorm and in-place ReLU, as the benchmark's model
 
+def _rel(a, b): return ((a - b).norm() / b.norm()).item()
+
+@pytest.mark.parametrize('engine', ['hooks', 'torchjd'])
 @pytest.mark.parametrize('make,head', [(mlp, False), (bn_mlp, False), (bn_cnn, False), (bn_cnn, True), (bench_cnn, False)])
-def test_the_gramian_equals_brute_force_per_example_gradients(digits, make, head):
+def test_the_gramian_equals_brute_force_per_example_gradients(digits, make, head, engine):
     torch.manual_seed(0)
     model = make()
     x, y = digits[0][:24], digits[1][:24]
     model(digits[0][100:164])   # running statistics away from their defaults
     mods = [model[-1]] if head else None
     params = list(model[-1].parameters()) if head else list(model.parameters())
-    G = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), modules=mods)
+    G = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), modules=mods, engine=engine)
     J = brute_jacobian(model, x, y, params)
-    assert torch.allclose(G, J @ J.T, atol=1e-4, rtol=1e-4)
+    assert _rel(G, J @ J.T) < 1e-5
+
+class _Layers(nn.Module):
+    "Every layer the hooked path has a rule for: an embedding with a padding row, a LayerNorm, a 1-d convolution with bias, a linear layer called twice"
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln, self.conv, self.lin, self.head = nn.Embedding(20, 6, padding_idx=0), nn.LayerNorm(6), nn.Conv1d(6, 5, 3, padding=1), nn.Linear(5, 5), nn.Linear(5, 3)
+    def forward(self, x):
+        z = F.relu(self.conv(self.ln(self.emb(x)).transpose(1, 2))).mean(2)
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(z)))))
+
+def test_the_hooked_path_matches_brute_force_on_every_layer_it_takes():
+    torch.manual_seed(0)
+    model, x, y = _Layers(), torch.randint(0, 20, (16, 7)), torch.randint(0, 3, (16,))
+    x[:, -2:] = 0   # padding positions: no gradient for the padding row
+    J = brute_jacobian(model, x, y, list(model.parameters()))
+    sk = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss())
+    assert sk is not None and _rel(sk.gramian(), J @ J.T) < 1e-5
+    W = torch.randn(16, 4)
+    Q, diag = sk.stats(W)
+    assert _rel(Q, W.T @ J @ J.T @ W) < 1e-5 and _rel(diag, (J * J).sum(1)) < 1e-5
+    d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
+    flat = torch.cat([d[k].reshape(-1) for k, _ in model.named_parameters()])
+    l, dd = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='hooks')
+    assert _rel(dd, J @ flat) < 1e-5
+    assert torch.allclose(l, F.cross_entropy(model(x), y, reduction='none'), atol=1e-6)
+
+def test_the_bench_cnns_sketch_matches_torchjd_and_forward_mode(digits):
+    "The bench CNN (BatchNorm, in-place ReLU) at its full widths: the factors against torchjd's Gramian and against forward-mode derivatives, to 1e-5"
+    torch.manual_seed(0)
+    model = simple_cnn(1, 10, widths=(32, 64, 128))
+    model(digits[0][100:228])
+    x, y = digits[0][:64], digits[1][:64]
+    G_ref = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='torchjd')
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks'), G_ref) < 1e-5
+    W = torch.randn(64, 10)
+    Q, diag = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()).stats(W)
+    assert _rel(Q, W.T @ G_ref @ W) < 1e-5 and _rel(diag, G_ref.diagonal()) < 1e-5
+    d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
+    ref = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='jvp')
+    got = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='hooks')
+    assert _rel(got[1], ref[1]) < 1e-5 and torch.allclose(got[0], ref[0], atol=1e-6)
+
+def test_layers_without_a_rule_go_to_torchjd_or_are_refused():
+    class Rnn(nn.Module):
+        def __init__(self): super().__init__(); self.emb, self.rnn, self.head = nn.Embedding(12, 6), nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 3)
+        def forward(self, x): return self.head(self.rnn(self.emb(x))[0][:, -1])
+    torch.manual_seed(0)
+    model, x, y = Rnn(), torch.randint(0, 12, (6, 5)), torch.randint(0, 3, (6,))
+    assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()) is None
+    assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss(), modules=[model.head]) is not None   # the head alone has a rule
+    with pytest.raises(ValueError, match="engine='hooks'"): per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks')
+    with pytest.raises(ValueError, match="`engine` must be one of"): per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='fast')
+    with pytest.raises(ValueError, match="params=None"):
+        directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), {}, params={}, engine='hooks')
 
 def test_the_gramian_of_a_recurrent_model_equals_brute_force():
     "An LSTM, which torchjd's batched mode refuses: the general mode, exact"
@@ -58,7 +115,8 @@ def test_the_missing_extra_is_named(monkeypatch, digits):
     monkeypatch.setitem(sys.modules, 'torchjd', None)   # as if torchjd were not installed
     monkeypatch.setitem(sys.modules, 'torchjd.autogram', None)
     with pytest.raises(ImportError, match=r"pip install 'loss_filters\[grad\]'"):
-        per_example_gramian(mlp(), (digits[0][:4],), (digits[1][:4],), nn.CrossEntropyLoss())
+        per_example_gramian(mlp(), (digits[0][:4],), (digits[1][:4],), nn.CrossEntropyLoss(), engine='torchjd')
+    assert per_example_gramian(mlp(), (digits[0][:4],), (digits[1][:4],), nn.CrossEntropyLoss()).shape == (4, 4)   # the hooked path needs no extra
 
 # ------------------------------------------------------------------ α
 def test_alpha_on_an_exact_quadratic_is_known():
@@ -309,3 +367,66 @@ def test_a_pooled_step_is_not_compared_with_random_rows_and_a_partial_batch_does
     pooled = [r for r in learn.probe.stats if math.isnan(r['rand_cos'])]
     assert pooled and all(math.isnan(r['rand_norm_ratio']) for r in pooled)
     assert learn.probe.stats[-1]['iter'] == len(dls.train) - 1   # the partial last batch was probed
+
+def test_the_alpha_column_holds_the_alphas_known_in_its_epoch(digits):
+    "One batch an epoch: a step's α is known at the next batch, in the next epoch, and its column is that epoch's; the fit's last step is marked"
+    set_seed(0)
+    learn = Learner(make_dls(digits[0][:128], digits[1][:128], bs=96, drop_last=True), mlp(), loss_func=CrossEntropyLossFlat(), opt_func=SGD)
+    learn.gradient_probe(every=1)
+    with learn.no_bar(): learn.fit(3, 1e-2)
+    rs, names = learn.probe.stats, list(learn.recorder.metric_names[1:-1])
+    col = [v[names.index('alpha')] for v in learn.recorder.values]
+    assert len(rs) == 3 and rs[0]['alpha'] is not None and rs[1]['alpha'] is not None
+    assert math.isnan(col[0]) and col[1] == pytest.approx(rs[0]['alpha']) and col[2] == pytest.approx(rs[1]['alpha'])
+    assert rs[-1]['alpha'] is None and rs[-1]['alpha_note'] == 'the fit ended before a next batch'
+
+class _Snapshots(Callback):
+    "Before the probe sees a batch: the whole batch and the parameters the step starts from"
+    order = GradientProbeCallback.order - 1
+    def before_fit(self): self.seen = []
+    def before_batch(self):
+        if self.training: self.seen.append((self.xb, self.yb, {k: p.detach().clone() for k, p in self.learn.model.named_parameters()}))
+
+def test_alpha_under_a_filter_measures_both_points_on_whole_batches(digits):
+    "Selective Backprop trains 30% of each batch; α's start is the whole batch at the step's start, its end the next whole batch after it (forward mode as the reference)"
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat(), opt_func=SGD)   # no running statistics: the parameters are the whole state
+    learn.selective_backprop(keep=.3, start=0., end=1., interrupt=0)
+    snaps = _Snapshots(); learn.add_cb(snaps)
+    learn.gradient_probe(every=7)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 5e-2)
+    checked = 0
+    for r in learn.probe.stats:
+        if r['alpha'] is None: continue
+        (x0, y0, p0), (x1, y1, p1) = snaps.seen[r['iter']], snaps.seen[r['iter'] + 1]
+        d = {k: p1[k] - p0[k] for k in p0}
+        t = math.sqrt(sum(float(v.double().pow(2).sum()) for v in d.values()))
+        unit = {k: v / t for k, v in d.items()}
+        l0, d0 = directional_derivatives(learn.model, x0, y0, learn.loss_func, unit, params=p0, engine='jvp')
+        l1, d1 = directional_derivatives(learn.model, x1, y1, learn.loss_func, unit, params=p1, engine='jvp')
+        assert len(l0) == len(l1) == 64   # whole batches, though each step trained 19 of 64 rows
+        want = step_alpha(t, (l0.mean(), l1.mean()), (l0.var(), l1.var()), (d0.mean(), d1.mean()), (d0.var(), d1.var()))
+        assert r['trained'] < 64 and r['step_size'] == pytest.approx(t, rel=1e-6) and r['alpha'] == pytest.approx(want, rel=1e-4, abs=1e-5)
+        checked += 1
+    assert checked
+
+def test_under_gradient_accumulation_alpha_is_undefined_and_said(digits):
+    from fastai.callback.training import GradientAccumulation
+    with pytest.warns(UserWarning, match='GradientAccumulation'):
+        learn = _fit(lambda: make_dls(*digits, bs=32), mlp, GradientAccumulation(n_acc=64), GradientProbeCallback(every=4), epochs=1)
+    rs = learn.probe.stats
+    assert rs and all(r['alpha'] is None and r['alpha_note'] == 'no optimizer step' for r in rs[:-1])
+
+class _Steps(Callback):
+    def before_fit(self): self.n = 0
+    def after_step(self): self.n += 1
+
+def test_every_nth_step_is_probed_whatever_the_pool_holds_back(digits):
+    "`fill_batch` with keep .5 steps on every other batch: an even `every` counted in batches could miss every step; counted in steps, none"
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat())
+    learn.selective_backprop(keep=.5, start=0., end=1., interrupt=0, fill_batch=True)
+    steps = _Steps(); learn.add_cb(steps)
+    learn.gradient_probe(every=2)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    assert steps.n < len(learn.dls.train) and len(learn.probe.stats) == math.ceil(steps.n / 2)
