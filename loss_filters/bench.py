@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
-import inspect, json, math, platform, random, sys, time
+import inspect, json, math, platform, random, sys, time, warnings
 from functools import partial
 from pathlib import Path
 import torch
@@ -25,7 +25,7 @@ from .plots import *
 
 # %% auto #0
 __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'valid_accuracy', 'run_method', 'plain_step_seconds',
-           'measure_score_cost', 'profile_step', 'lf_bench', 'main']
+           'measure_score_cost', 'profile_step', 'probe_cost', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #94125ca3
 # `quick`: `make bench`, minutes. `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length
@@ -144,6 +144,29 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
 
+def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0) -> dict:
+    "The gradient probe's cost on the bench `model`: ms a probe (its Gramian's statistics and α) and ms a plain step, and its share of a real fit at `every`"
+    from .probe import GradientProbeCallback
+    from .geometry import per_example_gramian
+    set_seed(seed)
+    learn = bench_learner(dls, model)
+    probe = GradientProbeCallback(every=every)
+    learn.add_cb(probe)
+    sync_device(); t = time.perf_counter()
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')   # the probe's own cost warning: this is where it is measured
+        learn.fit_one_cycle(epochs, 3e-3)
+    sync_device(); fit = time.perf_counter() - t
+    step = plain_step_seconds(dls, model=model, seed=seed)
+    b = dls.train.one_batch()
+    ref = timed(lambda: per_example_gramian(learn.model, b[:dls.n_inp], b[dls.n_inp:], learn.loss_func, engine='torchjd'), 5)
+    n = len(probe.stats)
+    per = probe.seconds / max(n, 1)
+    return dict(model=model, bs=dls.train.bs, params=sum(p.numel() for p in learn.model.parameters()), every=every, epochs=epochs,
+                probes=n, probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, fit_s=fit, share=probe.seconds / fit,
+                share_of_steps=per / (per + every * step), torchjd_gramian_ms=ref * 1e3,
+                **{f'{k}_ms': s / max(n, 1) * 1e3 for k, s in probe.part_seconds.items()})   # per probe: its pass and statistics, α's start, α's end
+
 # %% ../nbs/03_bench.ipynb #c42b53fc
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
 
@@ -185,6 +208,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
          score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
+         probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one epoch), to probe_cost.json
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
@@ -208,6 +232,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
     if augment: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    if probe_cost: return _probe_cost(dls, data_name, model, seed, out)
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
           f"{' (crop and flip)' if augment else ''}, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
@@ -224,7 +249,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
                           score_cost=cost, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet and sys.stdout.isatty(),
                           diagnostics=True, warmup=False, add_baseline=False, alpha=alpha)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
-    scored = [s for s in specs if (c := parse_method(s)[1]) is not None and issubclass(c, LossFilterCallback)
+    scored = [s for s in specs if (c := parse_method(s).cls) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of),
@@ -251,6 +276,19 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
               f"kept {p['kept']}/{p['bs']}, bare step on them {p['train_kept']*1e3:.2f} ms, on all {p['train_full']*1e3:.2f} ms")
     print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
     return res
+
+def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path) -> dict:
+    "`lf_bench --probe_cost`: the probe's cost, printed and written to probe_cost.json"
+    run_fit(partial(bench_learner, dls, model), 'baseline', epochs=1, lr=3e-3, seed=seed)   # warm-up, not reported
+    r = probe_cost(dls, model, seed=seed)
+    r.update(data=data_name, machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
+                                          cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None))
+    (out / 'probe_cost.json').write_text(json.dumps(r, indent=1))
+    print(f"lf_bench --probe_cost: {data_name}, model {model} ({r['params']:,} parameters), batches of {r['bs']}: a probe {r['probe_ms']:.1f} ms "
+          f"= {r['probe_steps']:.2f} plain steps of {r['step_ms']:.1f} ms; {r['probes']} probes at every={r['every']} took {r['share']:.1%} of a "
+          f"{r['fit_s']:.1f} s fit ({r['share_of_steps']:.1%} of the training steps' time); per probe: its pass and statistics {r.get('gramian_ms', 0):.1f} ms, "
+          f"α's start {r.get('alpha_start_ms', 0):.1f} ms, α's end {r.get('alpha_end_ms', 0):.1f} ms; torchjd's Gramian alone {r['torchjd_gramian_ms']:.1f} ms")
+    return r
 
 def _spelled_for(parser, argv:list) -> list:
     "`argv` with every `--long_option` or `--long-option` spelled as `parser` knows it (fastcore 1 uses `_`, fastcore 2 `-`)"

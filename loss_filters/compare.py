@@ -191,7 +191,7 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
 
 # %% ../nbs/11_compare.ipynb #5f3c3078
-def _epochs_of(spec:str, epochs:int) -> int: return parse_method(spec)[3].get('epochs', epochs)
+def _epochs_of(spec:str, epochs:int) -> int: return parse_method(spec).epochs(epochs)
 
 def _budget_share(epochs:int, budgets:str) -> float:
     "The shorter plain schedules' epochs, in full schedules"
@@ -230,7 +230,7 @@ def _found_controls(runs:list) -> tuple:
             like = [n for n in names if spec and _like(n, spec)]
             if len(like) == 1: cs.insert(0, like[0])
         return cs
-    of = {m: found(m) for m in names if parse_method(m)[1] is not None}
+    of = {m: found(m) for m in names if parse_method(m).filters}
     controls = set(control_specs(of))
     return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
 
@@ -292,7 +292,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
     if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
         raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
-    widths = sorted({run['proxy'] for s in specs for run in [parse_method(s)[3]] if 'proxy' in run})
+    widths = sorted({m.proxy for m in map(parse_method, specs) if m.proxy is not None})   # every spec parsed and checked here, once
     if widths and make_proxy is None: raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s)} score by a proxy: pass `make_proxy`, "
                                                        "a function of the width share that returns the proxy model")
     if add_baseline and 'baseline' not in specs: specs.insert(0, 'baseline')   # the target and every paired ratio need the plain model
@@ -312,7 +312,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
         with probe.no_bar(), probe.no_logging(): probe.fit(1, lr, cbs=StopAfter(3))
     del probe
     seed_list, runs = range(seed, seed + seeds), []
-    n_filters = sum(parse_method(s)[1] is not None for s in specs)   # each gets a random control; the rate controls are extra
+    n_filters = sum(parse_method(s).filters for s in specs)   # each gets a random control; the rate controls are extra
     n_est = len(seed_list) * repeats * (len(specs) + (len(budget_specs(epochs, budgets)) + n_filters if controls else 0))
     # in full-schedule fits: the methods and random controls at their own epochs, the shorter plain schedules at theirs
     fits = len(seed_list) * repeats * (sum(_epochs_of(s, epochs) for s in specs) / epochs
@@ -333,7 +333,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                         t0 = time.perf_counter()
                         r = run_fit(make_learner, s, epochs=epochs, lr=lr, seed=sd, fit=fit, metric=metric, sign=sign,
                                     evals_per_epoch=evals_per_epoch, check=check, show_progress=show_fits, diag=diag, cbs=cbs, make_proxy=make_proxy)
-                        w = parse_method(s)[3].get('proxy')
+                        w = parse_method(s).proxy
                         runs.append(add_work(r | dict(seed=sd, repeat=rep), settings['score_cost'], settings['proxy_cost'].get(str(w))))
                         if not timed_first:   # the first fit trained here: what the rest will take
                             timed_first.append((time.perf_counter() - t0) * epochs / _epochs_of(s, epochs))   # the whole call: the Learner built, fit, checked

@@ -68,7 +68,7 @@ class GradientProbeCallback(Callback):
                  alpha:bool=True): # also measure cockpit's α of each probed step
         check_int('every', every, 1); check_int('n_random', n_random, 1)
         store_attr('every,n_random,modules,train,alpha')
-        self.stats, self._training, self.seconds = L(), False, 0.
+        self.stats, self._training, self.seconds, self.part_seconds = L(), False, 0., {}
 
     @property
     def learn(self): return self.__dict__.get('_learn')
@@ -91,7 +91,7 @@ class GradientProbeCallback(Callback):
         if dist_world()[1] > 1:
             raise ValueError("GradientProbeCallback cannot run with several processes: each process trains on its own part of the batch, and "
                              "the Gramian of one part is not the batch's; probe a single-process run of the same Learner instead")
-        self.stats, self.seconds = L(), 0.   # `seconds`: the probe's own time in this fit
+        self.stats, self.seconds, self.part_seconds = L(), 0., {}   # `seconds`: the probe's own time in this fit; `part_seconds`: by part
         self.gen = own_generator(next(self.learn.model.parameters()).device)   # its random choices: never torch's global draws
         self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None
                           and not isinstance(cb, (MixedPrecision, LossFilterBase))]
@@ -120,25 +120,28 @@ class GradientProbeCallback(Callback):
             warnings.warn(f"GradientProbeCallback: its probes took {share:.0%} of this epoch's training time at `every={self.every}`; "
                           "a probe costs many training steps: raise `every` to spend less", stacklevel=2)
 
-    def _timed(self, f, *args):
+    def _timed(self, part:str, f, *args):
+        "Run `f` without autocast, its seconds counted in `seconds` and in `part_seconds[part]`"
         t = time.perf_counter()
         try:
             with _full_precision(): f(*args)
-        finally: self.seconds += _since(t, self.learn.model)
+        finally:
+            s = _since(t, self.learn.model)
+            self.seconds += s; self.part_seconds[part] = self.part_seconds.get(part, 0.) + s
 
     def before_batch(self):
         "The end of the last probed step's α on this whole batch; keep the whole batch of a step due to be probed, before any filter takes part of it"
-        if self._end is not None: self._timed(self._finish_alpha)
+        if self._end is not None: self._timed('alpha_end', self._finish_alpha)
         self._full = (self.learn.xb, self.learn.yb) if self._due else None
 
     def after_loss(self):
-        if self._full is not None: self._due = False; self._timed(self._probe)
+        if self._full is not None: self._due = False; self._timed('gramian', self._probe)
 
     def after_step(self):
         "Count the step (the next one due is probed whatever a filter holds back); the probed step's α starts here"
         self._steps += 1
         if self._steps % self.every == 0: self._due = True
-        if self._start is not None: self._timed(self._start_alpha)
+        if self._start is not None: self._timed('alpha_start', self._start_alpha)
 
     def _no_alpha(self, why:str):
         if self._start is not None: self._start[-1]['alpha_note'] = why

@@ -4,8 +4,10 @@
 
 # %% ../nbs/08_runs.ipynb #b84daf87
 from __future__ import annotations
-import math, random, statistics, time
+import functools, math, random, statistics, time
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 import torch
 from fastai.basics import Callback, CancelFitException, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
@@ -16,9 +18,9 @@ from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'parse_method', 'lower_is_better', 'metric_sign', 'sync_device',
-           'fit_scored', 'proxy_work', 'EpochClock', 'run_fit', 'seeded_proxy', 'time_to_target', 'add_work', 'timed',
-           'StopAfter', 'learner_score_cost', 'learner_proxy_cost']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'Method', 'parse_method', 'lower_is_better', 'metric_sign',
+           'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'run_fit', 'seeded_proxy', 'time_to_target',
+           'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost']
 
 # %% ../nbs/08_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -38,8 +40,24 @@ def _value(s:str):
         except ValueError: pass
     return s
 
-def parse_method(spec:str) -> tuple:
-    "`'sb:keep=.3,epochs=4'` -> `('sb:keep=.3,epochs=4', SelectiveBackpropCallback, {'keep': .3}, {'epochs': 4})`"
+class Method(NamedTuple):
+    "A method spec parsed once: its spec string, filter class (None for the plain model), the filter's settings and the run's settings (read-only)"
+    spec:str; cls:type|None; kw:Mapping; run:Mapping
+    @property
+    def name(self) -> str: return self.spec.partition(':')[0]
+    @property
+    def filters(self) -> bool: return self.cls is not None   # trains with a filter or a random control
+    @property
+    def proxy(self) -> float|None: return self.run.get('proxy')   # the proxy's width share, when a proxy scores
+    def epochs(self, default:int) -> int: return self.run.get('epochs', default)
+    def __str__(self) -> str: return self.spec
+
+def parse_method(spec:str|Method) -> Method:
+    "`'sb:keep=.3,epochs=4'` -> `Method('sb:keep=.3,epochs=4', SelectiveBackpropCallback, {'keep': .3}, {'epochs': 4})`: parsed and checked once per spec, a `Method` passed through"
+    return spec if isinstance(spec, Method) else _parse(str(spec))
+
+@functools.lru_cache(maxsize=None)
+def _parse(spec:str) -> Method:
     name, _, args = spec.partition(':')
     if name not in METHODS: raise ValueError(f"unknown method {name!r} in `methods`; choose from {', '.join(METHODS)}")
     cls, defaults = METHODS[name]
@@ -57,7 +75,7 @@ def parse_method(spec:str) -> tuple:
     if cls is None and kw: raise ValueError(f"`{name}` takes no settings but {', '.join(RUN_SETTINGS)}, got {kw}")
     kw = {**defaults, **kw}
     if cls is not None: cls(**kw)   # bad settings fail now, not after the baseline has trained
-    return spec, cls, kw, run
+    return Method(spec, cls, MappingProxyType(kw), MappingProxyType(run))
 
 # %% ../nbs/08_runs.ipynb #01f1925d
 _LOWER = ('loss', 'error', 'mse', 'mae', 'rmse', 'msle', 'perplexity')

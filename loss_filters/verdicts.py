@@ -67,7 +67,7 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002, alpha:f
         row['work_x_ci'] = _ci(row['work_x_test'])
         row['reached'] = sum(r['target_s'] is not None for r in rs)
         row['unpaired'] = sum(_pair(r) not in by_seed for r in rs)   # runs with no baseline of their own seed: no paired ratio, so no test
-        row['never_filtered'] = parse_method(m)[1] is not None and all(r['mean_samp_perc'] >= 1 for r in rs)
+        row['never_filtered'] = parse_method(m).filters and all(r['mean_samp_perc'] >= 1 for r in rs)
         rows.append(row)
     return rows, target
 

@@ -402,3 +402,13 @@ def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
     with pytest.raises(ValueError, match=r'`resume`: .* other data \(n_train=600, now 500\)'): lf_bench(**{**kw, 'n_train': 500}, resume=True)
     with pytest.raises(ValueError, match=r'other data \(seed=0, now 1\)'): lf_bench(**kw, seed=1, resume=True)   # the seed draws the data split
     assert len(lf_bench(**{**kw, 'n_train': 500})['runs']) == 2   # without `resume` it starts over
+
+def test_probe_cost_option(tmp_path):
+    "`--probe_cost`: the probe's time per probe and by part, a plain step's, and its share of a real fit, written to probe_cost.json"
+    res = lf_bench(data='digits', bs=64, out=str(tmp_path), model='mlp', probe_cost=True)
+    saved = json.loads((tmp_path / 'probe_cost.json').read_text())
+    assert saved['model'] == 'mlp' and saved['every'] == 50 and saved['probes'] == 1   # 22 steps of digits: the first is probed
+    assert saved['probe_ms'] > 0 and saved['step_ms'] > 0 and 0 < saved['share'] < 1
+    assert saved['probe_steps'] == pytest.approx(saved['probe_ms'] / saved['step_ms'])
+    assert saved['gramian_ms'] + saved['alpha_start_ms'] + saved['alpha_end_ms'] == pytest.approx(saved['probe_ms'])
+    assert res['data'] == 'digits' and not (tmp_path / 'results.json').exists()   # no comparison ran

@@ -49,6 +49,20 @@ def test_exact_work_on_a_tiny_run():
     assert half['work'] == pytest.approx((plain + 7 * 32 + .25 * 7 * 64) / plain)
     assert cmp.table.loc['random_batch:keep=.5,skip_epochs=1', 'work'] == pytest.approx(1.75)
 
+def test_each_method_spec_is_parsed_once_and_passed_along(monkeypatch):
+    "A comparison with its controls and verdicts: every spec (methods, shorter schedules, random controls) parsed and checked once, a `Method` after"
+    import collections, functools
+    import loss_filters.runs as runs_mod
+    seen, inner = collections.Counter(), runs_mod._parse.__wrapped__
+    def counted(spec): seen[spec] += 1; return inner(spec)
+    monkeypatch.setattr(runs_mod, '_parse', functools.lru_cache(maxsize=None)(counted))
+    cmp = compare_filters(tab_learner, 'baseline blf:skip_epochs=0', epochs=2, lr=1e-2, seeds=2, show_progress=False)
+    methods = {r['method'] for r in cmp.runs}
+    assert len(methods) == 4 and methods <= set(seen) and set(seen.values()) == {1}
+    m = runs_mod.parse_method('blf:skip_epochs=0')
+    assert m.name == 'blf' and m.filters and m.epochs(7) == 7 and runs_mod.parse_method(m) is m and str(m) == 'blf:skip_epochs=0'
+    with pytest.raises(TypeError): m.kw['skip_epochs'] = 1   # read-only: one parsed value shared by every reader
+
 def test_a_lower_is_better_metric():
     cmp = compare_filters(lambda: tab_learner(error_rate), 'baseline blf:skip_epochs=0', epochs=2, lr=1e-2, seeds=2, controls=False,
                           show_progress=False)
