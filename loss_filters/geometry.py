@@ -4,7 +4,7 @@
 
 # %% ../nbs/00c_geometry.ipynb #9cec37d1
 from __future__ import annotations
-import functools, warnings
+import warnings
 from contextlib import contextmanager
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -139,6 +139,7 @@ class _Layer:
                 for pn, t in (('weight', g.float() * xh), ('bias', g.float())):
                     if pn in own: r = _rows_of(t, ch, shape); rows[pn] = rows[pn] + r if pn in rows else r
             self.parts += [(own[pn], 'rows', r) for pn, r in rows.items()]
+        self._ghost = {}   # part -> whether its Gram comes from its factors
 
     def io(self, i:int, rows:slice=slice(None)) -> tuple:
         "Part `i`'s linear map as `(a, g)` factors over examples `rows`, all its calls' positions together (unfolded on use)"
@@ -146,12 +147,13 @@ class _Layer:
         ios = [_lin_io(m, x[rows], g[rows]) for x, g in zip(xs, gs)]
         return _cat([a for a, _ in ios]), _cat([g for _, g in ios])
 
-    @functools.cache
     def ghost(self, i:int) -> bool:
         "Whether the Gram of part `i`'s factors costs less than forming its per-example gradients (`B²T²(d_in+d_out)` against `BTd_in·d_out + B²d_in·d_out`)"
-        a, g = self.io(i, slice(0, 1))   # one example's factors give the sizes
-        B, T, di, do = len(self.parts[i][2][1][0]), a.shape[1], a.shape[2], g.shape[2]
-        return B * T * T * (di + do) < T * di * do + B * di * do
+        if i not in self._ghost:
+            a, g = self.io(i, slice(0, 1))   # one example's factors give the sizes
+            B, T, di, do = len(self.parts[i][2][1][0]), a.shape[1], a.shape[2], g.shape[2]
+            self._ghost[i] = B * T * T * (di + do) < T * di * do + B * di * do
+        return self._ghost[i]
 
     def ghosts(self) -> list: return [self.io(i) for i, (_, kind, _) in enumerate(self.parts) if kind == 'lin' and self.ghost(i)]
 

@@ -430,3 +430,14 @@ def test_every_nth_step_is_probed_whatever_the_pool_holds_back(digits):
     learn.gradient_probe(every=2)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     assert steps.n < len(learn.dls.train) and len(learn.probe.stats) == math.ceil(steps.n / 2)
+
+def test_a_sketch_holds_nothing_once_dropped():
+    "Its factors (activations and their gradients) go with it: no cache outlives it"
+    import gc, weakref
+    torch.manual_seed(0)
+    model = simple_cnn(1, 10, widths=(8, 16))
+    sk = example_gradients(model, (torch.randn(8, 1, 12, 12),), (torch.randint(0, 10, (8,)),), nn.CrossEntropyLoss())
+    sk.stats(torch.randn(8, 2)); sk.gramian()
+    refs = [weakref.ref(l) for l in sk.layers]
+    del sk; gc.collect()
+    assert all(r() is None for r in refs)
