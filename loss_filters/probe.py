@@ -293,8 +293,12 @@ class GradientProbeCallback(Callback):
         a.plot(it, [r['norm_ratio'] for r in rs], '.-', label="the step's examples"); a.plot(it, [r['rand_norm_ratio'] for r in rs], '.-', label='random choices')
         a.axhline(1, color='k', lw=.5); a.set_ylabel("gradient norm / the batch's"); a.legend(fontsize=8)
         a = axs[2]
-        al = [(r['iter'], r['alpha']) for r in rs if r.get('alpha') is not None]
-        a.plot([i for i, _ in al], [x for _, x in al], '.', color='C2'); a.axhline(0, color='k', lw=.5)
+        al = [(r['iter'], r['alpha']) for r in rs if r.get('alpha') is not None and not math.isnan(r['alpha'])]
+        inside = [(i, x) for i, x in al if -2 <= x <= 3]   # a nearly flat fit along a step puts α far out: one such point would hide the rest
+        a.plot([i for i, _ in inside], [x for _, x in inside], '.', color='C2', label='α')
+        out = [(i, min(max(x, -2), 3)) for i, x in al if not -2 <= x <= 3]
+        if out: a.plot([i for i, _ in out], [x for _, x in out], 'x', color='C2', label=f'beyond [-2, 3], drawn at its edge ({len(out)})')
+        a.axhline(0, color='k', lw=.5); a.set_ylim(-2.2, 3.2); a.legend(fontsize=8)
         a.set_ylabel('α: < 0 short of the minimum along the step, 0 at it, > 0 past it', fontsize=8)
         a = axs[3]
         a.plot(it, [r['rho'] for r in rs], '.-', color='C3'); a.set_ylim(-1.05, 1.05)

@@ -320,6 +320,7 @@ def test_a_plain_step_is_probed_once_over_its_batch(digits):
     import matplotlib; matplotlib.use('Agg')
     fig = learn.probe.plot_probe()
     assert fig._suptitle.get_text() == f'Gradient probe: one step in 5, {len(spy.seen)} probed' and '< 0 short of the minimum' in fig.axes[2].get_ylabel()
+    assert fig.axes[2].get_ylim() == (-2.2, 3.2)   # α far out (a nearly flat fit) is drawn at the edge, not stretching the axis
 
 def test_stale_prunings_loss_weights_reach_the_probe(digits):
     set_seed(0)
