@@ -13,6 +13,8 @@ from fastcore.script import anno_parser
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
 from .core import plain, frozen_norm_stats, take, check_range
 from .batch import LossFilterCallback
+from .geometry import per_example_gramian
+from .probe import GradientProbeCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
 from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter
@@ -146,8 +148,6 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
 
 def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0) -> dict:
     "The gradient probe's cost on the bench `model`: ms a probe (its Gramian's statistics and α) and ms a plain step, and its share of a real fit at `every`"
-    from .probe import GradientProbeCallback
-    from .geometry import per_example_gramian
     set_seed(seed)
     learn = bench_learner(dls, model)
     probe = GradientProbeCallback(every=every)

@@ -166,10 +166,10 @@ class _Layer:
         "The parts held as per-example gradients `[B, n]`, a linear map's formed where that is the cheaper way to its Gram"
         return [d for _, kind, d in self.parts if kind == 'rows'] + [self.formed(i) for i, (_, kind, _) in enumerate(self.parts) if kind == 'lin' and not self.ghost(i)]
 
-    def factored(self) -> Tensor|int:
-        "The Gram `[B, B]` of the parts not in `rows()`, from their factors (0 without any)"
+    def factored(self, ghosts:list|None=None) -> Tensor|int:
+        "The Gram `[B, B]` of the parts not in `rows()`, from their factors (0 without any); `ghosts`: `ghosts()` when already at hand"
         G = 0
-        for a, g in self.ghosts(): G = G + (torch.einsum('bti,csi->bcts', a, a) * torch.einsum('bto,cso->bcts', g, g)).sum((2, 3))
+        for a, g in (self.ghosts() if ghosts is None else ghosts): G = G + (torch.einsum('bti,csi->bcts', a, a) * torch.einsum('bto,cso->bcts', g, g)).sum((2, 3))
         for _, kind, d in self.parts:
             if kind == 'emb':
                 idx, g = d
@@ -193,10 +193,11 @@ class _Layer:
                 if W is not None: M = M + W[c:c + 32].T @ r
             n = n + torch.cat(ns)
             if W is not None: q = q + M @ M.T
-        for a, g in self.ghosts(): n = n + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        ghosts = self.ghosts()   # unfolded once, for the norms and the Gram
+        for a, g in ghosts: n = n + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
         for _, kind, d in self.parts:
             if kind == 'emb': idx, g = d; n = n + ((idx[:, :, None] == idx[:, None, :]) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-        G = self.factored() if W is not None else 0
+        G = self.factored(ghosts) if W is not None else 0
         return (q + W.T @ G @ W if isinstance(G, Tensor) else q), n
 
     def along(self, direction:dict) -> Tensor:
