@@ -1,9 +1,14 @@
 "Shared fixtures: small real and synthetic data as fastai DataLoaders, and spies that watch a fit."
 import warnings
 import numpy as np, pandas as pd, pytest, torch, torch.nn as nn
-from fastai.basics import DataLoaders, Callback, set_seed
+from fastai.basics import DataLoaders, Callback, set_seed, defaults
 
 warnings.filterwarnings('ignore', message='.*torch.jit.script.*')
+
+# Loader workers: fastai's loaders start one process per core for every pass over them, which on these tiny in-memory
+# data sets costs far more than their batches (the whole test process is forked at each epoch). The tests run without
+# them; the ones that check what workers change (each worker building its share of a pruned epoch) ask for them by name.
+defaults.cpus = 0
 
 class ItemList(list):
     "A list of (x..., y...) tuples that tells fastai how many items are inputs"
@@ -59,3 +64,11 @@ def tabular_df(n=600):
     df = pd.DataFrame(dict(a=rng.randn(n), b=rng.randn(n), c=rng.choice(list('xyz'), n)))
     df['y'] = ((df.a + df.b + (df.c == 'x')) > .5).map({True: 'hi', False: 'lo'})
     return df
+
+# The slowest files first: `make test` runs a file at a time on each of two workers, so one long file started last
+# would keep one worker busy while the other sits idle.
+SLOWEST = ['test_readme.py', 'test_bench.py', 'test_stats.py', 'test_core.py', 'test_tools.py']
+
+def pytest_collection_modifyitems(items):
+    rank = lambda item: SLOWEST.index(item.path.name) if item.path.name in SLOWEST else len(SLOWEST)
+    items.sort(key=rank)   # stable: each file's tests keep their order

@@ -96,8 +96,12 @@ def test_text_classifier(text_df, name):
     assert isinstance(learn.dls.train, SortedDL)
     learn.add_cb(FILTERS[name]())
     check_fit(learn, name, n=4, lr=1e-2)
+    check_text_batches(learn, name, 4)
+
+def check_text_batches(learn, name, epochs):
+    "Each batch sorted by length; a pruner's epoch trained every example it kept, once; the loader left as it was"
     n_train = len(learn.dls.train_ds)
-    for e in range(4):
+    for e in range(epochs):
         xs = [b[1][0] for b in learn.after.batches if b[0] == e]
         for x in xs:   # each batch sorted by length, longest first: `SentenceEncoder` drops no real token
             ln = lengths(x)
@@ -106,6 +110,16 @@ def test_text_classifier(text_df, name):
             plain = n_train // 16 * 16                                     # `drop_last`: a plain epoch trains whole batches
             assert sum(len(x) for x in xs) == round(learn.loss_filter.epoch_stats[e]['samp_perc'] * plain)
     assert 'get_idxs' not in learn.dls.train.__dict__ and learn.dls.train.n == n_train
+
+def test_text_pruning_with_loader_workers(text_df):
+    "Two loader workers each build their own share of a pruned epoch's sorted batches, from the same order"
+    set_seed(0)
+    learn = text_learner(text_df, num_workers=2)
+    assert learn.dls.train.fake_l.num_workers == 2   # a `SortedDL` has none unless asked
+    learn.add_cb(FILTERS['stale']())
+    check_fit(learn, 'stale', n=3, lr=1e-2)
+    assert min(s['samp_perc'] for s in learn.loss_filter.epoch_stats) < 1
+    check_text_batches(learn, 'stale', 3)
 
 @pytest.mark.parametrize('name', FILTERS)
 def test_segmentation(image_dir, name):

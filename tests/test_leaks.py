@@ -66,9 +66,9 @@ def test_scoring_leaves_the_norm_layers_alone_when_another_callback_swaps_them(d
 PRUNERS = {'stale': lambda: StaleLossPruningCallback(anneal=0.), 'hide': lambda: HideLearnedCallback(anneal=0., confidence=.3),
            'random': lambda: RandomPruningCallback(keep=.5, anneal=0.)}
 
-def _ids_of(make, epochs=3):
+def _ids_of(make, epochs=3, num_workers=0):
     set_seed(0)
-    dls = id_dls(drop_last=False)
+    dls = id_dls(drop_last=False, num_workers=num_workers)
     dls.train.rng = random.Random(0)
     ids = LoaderIds()
     learn = learner(dls, IdModel(), cbs=ids)
@@ -76,9 +76,10 @@ def _ids_of(make, epochs=3):
     fit(learn, epochs)
     return ids
 
+@pytest.mark.parametrize('num_workers', [0, 2])   # with workers, each builds its own share of the epoch's batches
 @pytest.mark.parametrize('name', PRUNERS)
-def test_a_pruners_full_epoch_trains_the_plain_models_batches_and_pruned_ones_keep_its_order(name):
-    plain, pruned = _ids_of(None), _ids_of(PRUNERS[name])
+def test_a_pruners_full_epoch_trains_the_plain_models_batches_and_pruned_ones_keep_its_order(name, num_workers):
+    plain, pruned = _ids_of(None, num_workers=num_workers), _ids_of(PRUNERS[name], num_workers=num_workers)
     first = lambda ids: [b for e, b in ids.ids if e == 0]
     assert len(first(plain)) == 10 and first(pruned) == first(plain)                     # epoch 0 trains on all data: the plain model's batches
     for e in (1, 2):   # a pruned epoch: the plain epoch's order, less the examples it leaves out
