@@ -5,6 +5,10 @@ VENV ?= .venv
 VENV_LATEST ?= .venv-latest
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# pip byte-compiles every module it installs (torch's thousands) and may not write the cache where Python reads it
+# (PYTHONDONTWRITEBYTECODE): install without compiling, and let Python cache the modules the tests import, on first import.
+PIP_INSTALL = -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: test install sync pytest nbtest test-latest bench export clean
 
@@ -13,7 +17,7 @@ test: sync pytest nbtest test-latest
 # Create the development environment when missing; reinstall when the metadata changes.
 $(BIN)/.installed: setup.py settings.ini
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev,distributed]'
+	$(BIN)/python $(PIP_INSTALL) -e '.[dev,distributed]'
 	touch $@
 
 install: $(BIN)/.installed
@@ -42,7 +46,7 @@ nbtest: install
 # The library does not pin fastai: run the pytest suite against the newest release too.
 $(VENV_LATEST)/.installed: setup.py settings.ini
 	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
-	$(VENV_LATEST)/bin/python -m pip install -q -U -e '.[distributed,grad]' fastai pytest pytest-xdist hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
+	$(VENV_LATEST)/bin/python $(PIP_INSTALL) -U -e '.[distributed,grad]' fastai pytest pytest-xdist hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
 	touch $@
 
 test-latest: $(VENV_LATEST)/.installed
