@@ -157,10 +157,10 @@ class _Layer:
 
     def ghosts(self) -> list: return [self.io(i) for i, (_, kind, _) in enumerate(self.parts) if kind == 'lin' and self.ghost(i)]
 
-    def formed(self, i:int, rows:slice=slice(None)) -> Tensor:
-        "Part `i`'s per-example gradients `Σₜ gₜaₜᵀ` over examples `rows`, `[n, d_out·d_in]`"
+    def formed(self, i:int, rows:slice=slice(None), out:Tensor|None=None) -> Tensor:
+        "Part `i`'s per-example gradients `Σₜ gₜaₜᵀ` over examples `rows`, `[n, d_out·d_in]`; written into `out` (`[≥n, d_out, d_in]`) when given"
         a, g = self.io(i, rows)
-        return torch.bmm(g.transpose(1, 2), a).flatten(1)
+        return torch.bmm(g.transpose(1, 2), a, out=None if out is None else out[:len(a)]).flatten(1)
 
     def rows(self) -> list:
         "The parts held as per-example gradients `[B, n]`, a linear map's formed where that is the cheaper way to its Gram"
@@ -186,11 +186,12 @@ class _Layer:
                 n = n + sq(d)
         for i, (_, kind, d) in enumerate(self.parts):
             if kind != 'lin' or self.ghost(i): continue
-            M, ns = 0, []
+            M, ns, buf = None, [], None
             for c in range(0, len(d[1][0]), 32):   # a chunk of examples at a time, unfolded and formed in the cache: all at once costs several times more
-                r = self.formed(i, slice(c, c + 32))
+                r = self.formed(i, slice(c, c + 32), buf)
+                if buf is None: buf = r.view(len(r), d[0].weight.shape[0], -1)   # the next chunks reuse its memory: new memory costs its paging in
                 ns.append(sq(r))
-                if W is not None: M = M + W[c:c + 32].T @ r
+                if W is not None: M = W[c:c + 32].T @ r if M is None else M.addmm_(W[c:c + 32].T, r)
             n = n + torch.cat(ns)
             if W is not None: q = q + M @ M.T
         ghosts = self.ghosts()   # unfolded once, for the norms and the Gram
