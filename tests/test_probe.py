@@ -55,7 +55,10 @@ def test_the_hooked_path_matches_brute_force_on_every_layer_it_takes():
     d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
     flat = torch.cat([d[k].reshape(-1) for k, _ in model.named_parameters()])
     l, dd = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='hooks')
-    assert _rel(dd, J @ flat) < 1e-5
+    assert _rel(dd, J @ flat) < 1e-5 and _rel(sk.along(d), J @ flat) < 1e-5   # the one-pass path and the sketch's factors (α's start)
+    half = {k: v for k, v in list(d.items())[::2]}   # a direction that names some parameters only: the others count as 0
+    keep = torch.cat([(d[k] if k in half else torch.zeros_like(d[k])).reshape(-1) for k, _ in model.named_parameters()])
+    assert _rel(directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), half, engine='hooks')[1], J @ keep) < 1e-5
     assert torch.allclose(l, F.cross_entropy(model(x), y, reduction='none'), atol=1e-6)
 
 def test_the_bench_cnns_sketch_matches_torchjd_and_forward_mode(digits):
