@@ -5,8 +5,8 @@ VENV ?= .venv
 VENV_LATEST ?= .venv-latest
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# pip byte-compiles every module it installs (torch's thousands) and may not write the cache where Python reads it
-# (PYTHONDONTWRITEBYTECODE): install without compiling, and let Python cache the modules the tests import, on first import.
+# pip byte-compiles every module it installs (torch's thousands, most never imported): install without that, and let
+# Python cache the modules the tests import, on first import (which PYTHONDONTWRITEBYTECODE, set on some machines, stops).
 PIP_INSTALL = -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
