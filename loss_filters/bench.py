@@ -104,10 +104,11 @@ def _acting(cb_cls, kw:dict) -> dict:
 
 def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
     "Seconds per batch of each piece of a filtered step (the filter driven through its own events), and its own work beside the model as a share of a plain step"
-    _, cb_cls, kw, run = parse_method(spec)
+    m = parse_method(spec)
+    cb_cls, kw = m.cls, m.kw
     set_seed(seed)
     learn = bench_learner(dls, model)
-    if 'proxy' in run: kw = kw | dict(score_model=make_model(model, dls, run['proxy']))   # the proxy scores, the model runs no scoring pass
+    if m.proxy is not None: kw = kw | dict(score_model=make_model(model, dls, m.proxy))   # the proxy scores, the model runs no scoring pass
     cb, net, n_epoch = cb_cls(**_acting(cb_cls, kw)), learn.model, len(dls.train)
     learn.add_cb(cb); learn.create_opt(); net.train()
     b = dls.train.one_batch()

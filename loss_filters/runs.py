@@ -165,11 +165,11 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
             make_proxy=None # `make_proxy(width) -> nn.Module`: the proxy of a method with `proxy=width`
            ) -> dict:
     "Train one method from `seed` on a new Learner from `make_learner`; its timings, work, history and kept shares"
-    name, cb_cls, kw, run = parse_method(spec)
-    epochs, lr = run.get('epochs', epochs), lr * run.get('lr_mult', 1)
+    m = parse_method(spec)
+    cb_cls, kw, epochs, lr = m.cls, m.kw, m.epochs(epochs), lr * m.run.get('lr_mult', 1)
     set_seed(seed, reproducible=True)
     learn = make_learner()
-    if 'proxy' in run: kw = kw | dict(score_model=seeded_proxy(make_proxy, run['proxy'], seed, spec))   # before the loaders' seeds: it may draw a batch
+    if m.proxy is not None: kw = kw | dict(score_model=seeded_proxy(make_proxy, m.proxy, seed, spec))   # before the loaders' seeds: it may draw a batch
     for dl in learn.dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
     clock = EpochClock(evals_per_epoch, metric, sign, check)
     learn.add_cbs([clock] + list(cbs or []))
@@ -181,8 +181,8 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     finally: learn.remove_cbs([clock] + list(cbs or []))
     h, filt = clock.history, getattr(learn, 'loss_filter', None)
     if not h: raise ValueError(f"the fit of {spec!r} recorded no epoch: does `fit` train the Learner it is given?")
-    diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(name)}.png') if diag is not None and filt is not None else None
-    return dict(diagnostics=diag, method=name, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
+    diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(m.spec)}.png') if diag is not None and filt is not None else None
+    return dict(diagnostics=diag, method=m.spec, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
                 final_accuracy=h[-1]['accuracy'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
                 trained=h[-1]['trained'], scored=h[-1]['scored'], proxy_scored=h[-1]['proxy_scored'], proxy_trained=h[-1]['proxy_trained'],
                 plain_epoch=plain_epoch_size(learn.dls.train.n, learn.dls.train.bs, learn.dls.train.drop_last),
