@@ -61,6 +61,29 @@ def test_the_hooked_path_matches_brute_force_on_every_layer_it_takes():
     assert _rel(directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), half, engine='hooks')[1], J @ keep) < 1e-5
     assert torch.allclose(l, F.cross_entropy(model(x), y, reduction='none'), atol=1e-6)
 
+class _Convs(nn.Module):
+    "Convolutions whose patches are copied channels-last (8 or more input channels): a dilated 2-d one with an uneven kernel, stride and padding, with bias, and a 1-d one"
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 6, (3, 2), stride=(1, 2), padding=(2, 0), dilation=(2, 1))
+        self.c3 = nn.Conv1d(12, 9, 3, stride=2, padding=1, bias=False)
+        self.head = nn.Linear(9, 4)
+    def forward(self, x):
+        z = torch.tanh(self.c2(torch.tanh(self.c1(x))))   # [B, 6, 9, 4]
+        return self.head(torch.tanh(self.c3(z.flatten(2)[:, :, :12].transpose(1, 2).contiguous().view(len(x), 12, -1))).mean(2))
+
+def test_channels_last_patches_match_brute_force_on_any_kernel_stride_padding_and_dilation():
+    torch.manual_seed(0)
+    model, x, y = _Convs(), torch.randn(10, 3, 9, 7), torch.randint(0, 4, (10,))
+    J = brute_jacobian(model, x, y, list(model.parameters()))
+    sk = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss())
+    W = torch.randn(10, 3)
+    Q, diag = sk.stats(W)
+    assert _rel(sk.gramian(), J @ J.T) < 1e-5 and _rel(Q, W.T @ J @ J.T @ W) < 1e-5 and _rel(diag, (J * J).sum(1)) < 1e-5
+    d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
+    assert _rel(sk.along(d), J @ torch.cat([d[k].reshape(-1) for k, _ in model.named_parameters()])) < 1e-5
+
 def test_the_bench_cnns_sketch_matches_torchjd_and_forward_mode(digits):
     "The bench CNN (BatchNorm, in-place ReLU) at its full widths: the factors against torchjd's Gramian and against forward-mode derivatives, to 1e-5"
     torch.manual_seed(0)
