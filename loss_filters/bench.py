@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
-import inspect, json, math, platform, random, sys, time, warnings
+import inspect, json, math, platform, random, statistics, sys, time, warnings
 from functools import partial
 from pathlib import Path
 import torch
@@ -147,26 +147,43 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
 
-def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0) -> dict:
-    "The gradient probe's cost on the bench `model`: ms a probe (its Gramian's statistics and α) and ms a plain step, and its share of a real fit at `every`"
+class _TrainClock(Callback):
+    "The seconds a fit spends in its training phases, and its training steps"
+    order = -100
+    def before_fit(self): self.secs, self.steps = 0., 0
+    def before_train(self): sync_device(); self.t0 = time.perf_counter()
+    def after_train(self): sync_device(); self.secs += time.perf_counter() - self.t0
+    def after_step(self): self.steps += 1
+
+def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
+    "`(clock, learn)`: a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any), its training phases timed"
     set_seed(seed)
-    learn = bench_learner(dls, model)
-    probe = GradientProbeCallback(every=every)
-    learn.add_cb(probe)
-    sync_device(); t = time.perf_counter()
+    learn, clock = bench_learner(dls, model), _TrainClock()
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')   # the probe's own cost warning: this is where it is measured
-        learn.fit_one_cycle(epochs, 3e-3)
-    sync_device(); fit = time.perf_counter() - t
-    step = plain_step_seconds(dls, model=model, seed=seed)
+        learn.fit_one_cycle(epochs, 3e-3, cbs=[clock] + ([probe] if probe is not None else []))
+    return clock, learn
+
+def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0, repeats:int=3) -> dict:
+    "The gradient probe's cost on the bench `model`: medians over `repeats` fits with the probe at `every` of ms a probe, ms a step of the same fit (its training time without the probes, per step: the two measured together, through the machine's drifts), their ratio, and the probes' share of the fit's training time; each beside a plain fit (run first, then second, in turn), whose step shows whether the probe slows the steps around it"
+    runs = []
+    for i in range(repeats):
+        probe = GradientProbeCallback(every=every)
+        fits = [None, probe] if i % 2 == 0 else [probe, None]
+        (a, learn_a), (b, learn_b) = [_clocked_fit(dls, model, seed, epochs, f) for f in fits]
+        (plain_clock, _), (clock, learn) = ((a, learn_a), (b, learn_b)) if i % 2 == 0 else ((b, learn_b), (a, learn_a))
+        n = max(len(probe.stats), 1)
+        per, step = probe.seconds / n, (clock.secs - probe.seconds) / clock.steps
+        runs.append(dict(probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, share=probe.seconds / clock.secs,
+                         plain_step_ms=plain_clock.secs / plain_clock.steps * 1e3, probes=len(probe.stats), steps=clock.steps,
+                         **{f'{k}_ms': s / n * 1e3 for k, s in probe.part_seconds.items()}))   # per probe: its pass and statistics, α's start, α's end
+    med = lambda k: statistics.median(r[k] for r in runs)
     b = dls.train.one_batch()
     ref = timed(lambda: per_example_gramian(learn.model, b[:dls.n_inp], b[dls.n_inp:], learn.loss_func, engine='torchjd'), 5)
-    n = len(probe.stats)
-    per = probe.seconds / max(n, 1)
-    return dict(model=model, bs=dls.train.bs, params=sum(p.numel() for p in learn.model.parameters()), every=every, epochs=epochs,
-                probes=n, probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, fit_s=fit, share=probe.seconds / fit,
-                share_of_steps=per / (per + every * step), torchjd_gramian_ms=ref * 1e3,
-                **{f'{k}_ms': s / max(n, 1) * 1e3 for k, s in probe.part_seconds.items()})   # per probe: its pass and statistics, α's start, α's end
+    return dict(model=model, bs=dls.train.bs, params=sum(p.numel() for p in learn.model.parameters()), every=every, epochs=epochs, repeats=repeats,
+                probes=runs[0]['probes'], steps=runs[0]['steps'], probe_ms=med('probe_ms'), step_ms=med('step_ms'), probe_steps=med('probe_steps'),
+                share=med('share'), share_of_steps=med('probe_ms') / (med('probe_ms') + every * med('step_ms')), plain_step_ms=med('plain_step_ms'),
+                torchjd_gramian_ms=ref * 1e3, **{k: med(k) for k in ('gramian_ms', 'alpha_start_ms', 'alpha_end_ms') if k in runs[0]}, runs=runs)
 
 # %% ../nbs/03_bench.ipynb #c42b53fc
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
@@ -285,9 +302,9 @@ def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path) -> dict:
     r.update(data=data_name, machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
                                           cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None))
     (out / 'probe_cost.json').write_text(json.dumps(r, indent=1))
-    print(f"lf_bench --probe_cost: {data_name}, model {model} ({r['params']:,} parameters), batches of {r['bs']}: a probe {r['probe_ms']:.1f} ms "
-          f"= {r['probe_steps']:.2f} plain steps of {r['step_ms']:.1f} ms; {r['probes']} probes at every={r['every']} took {r['share']:.1%} of a "
-          f"{r['fit_s']:.1f} s fit ({r['share_of_steps']:.1%} of the training steps' time); per probe: its pass and statistics {r.get('gramian_ms', 0):.1f} ms, "
+    print(f"lf_bench --probe_cost: {data_name}, model {model} ({r['params']:,} parameters), batches of {r['bs']}, medians of {r['repeats']} fits: "
+          f"a probe {r['probe_ms']:.1f} ms = {r['probe_steps']:.2f} steps of the same fit ({r['step_ms']:.1f} ms; {r['plain_step_ms']:.1f} ms in the plain fits beside); "
+          f"{r['probes']} probes in {r['steps']} steps at every={r['every']} took {r['share']:.1%} of the fit's training time; per probe: its pass and statistics {r.get('gramian_ms', 0):.1f} ms, "
           f"α's start {r.get('alpha_start_ms', 0):.1f} ms, α's end {r.get('alpha_end_ms', 0):.1f} ms; torchjd's Gramian alone {r['torchjd_gramian_ms']:.1f} ms")
     return r
 

@@ -88,9 +88,13 @@ class _Tap:
 def _cat(ts:list, dim:int=1) -> Tensor: return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
 
 def _patches(x:Tensor, k:tuple, s:tuple, p:tuple, d:tuple) -> Tensor:
-    "The patches a 2d convolution with kernel `k`, stride `s`, padding `p` and dilation `d` multiplies, `[B, T, kh·kw·C]`: each in (kernel row, kernel column, channel) order, copied from a channels-last, zero-padded copy of `x`, whose runs of channels copy several times faster than `F.unfold`'s gathers"
+    "The patches a 2d convolution with kernel `k`, stride `s`, padding `p` and dilation `d` multiplies, `[B, T, d_in]`, copied from strided views of a zero-padded copy of `x` (several times faster than `F.unfold`'s gathers on a CPU): in `F.unfold`'s (channel, kernel row, kernel column) order for a few channels, in (kernel row, kernel column, channel) order from a channels-last copy where runs of channels pay (`_patched`)"
     B, C, H, W = x.shape
     Ho, Wo = ((n + 2 * p_ - d_ * (k_ - 1) - 1) // s_ + 1 for n, k_, s_, p_, d_ in zip((H, W), k, s, p, d))
+    if not _patched(x):
+        xp = F.pad(x, (p[1], p[1], p[0], p[0]))
+        sb, sc, sh, sw = xp.stride()
+        return xp.as_strided((B, C, *k, Ho, Wo), (sb, sc, sh * d[0], sw * d[1], sh * s[0], sw * s[1])).reshape(B, -1, Ho * Wo).transpose(1, 2)
     xp = x.new_zeros(B, H + 2 * p[0], W + 2 * p[1], C)
     xp[:, p[0]:p[0] + H, p[1]:p[1] + W] = x.permute(0, 2, 3, 1)
     sb, sh, sw, _ = xp.stride()
@@ -103,8 +107,13 @@ def _lin_io(m:nn.Module, x:Tensor, g:Tensor) -> tuple:
     if x is None: return None, g
     if isinstance(m, nn.Conv1d): x, k, s, p, d = x.unsqueeze(2), (1, *m.kernel_size), (1, *m.stride), (0, *m.padding), (1, *m.dilation)
     else: k, s, p, d = m.kernel_size, m.stride, m.padding, m.dilation
-    if x.shape[1] < 8: return F.unfold(x.float(), k, dilation=d, padding=p, stride=s).transpose(1, 2), g   # too few channels for the runs to pay
     return _patches(x.float(), k, s, p, d), g
+
+def _patched(x:Tensor) -> bool: return x.shape[1] >= 8   # enough channels for `_patches`' channels-last runs to pay
+
+def _in_order(m:nn.Module, x:Tensor, D:Tensor) -> Tensor:
+    "A linear map's weights `D` flattened in the order of its per-example gradients formed from `_lin_io` (a convolution's channels last where its patches are)"
+    return D.movedim(1, -1).reshape(-1) if isinstance(m, (nn.Conv1d, nn.Conv2d)) and _patched(x) else D.reshape(-1)
 
 def _lin_along(m:nn.Module, x:Tensor, g:Tensor, D:Tensor) -> Tensor:
     "`Σₜ gₜ·(D aₜ)` per example: the layer's output under the direction's weights `D`, against the output gradients"
@@ -175,9 +184,13 @@ class _Layer:
     def ghosts(self) -> list: return [self.io(i) for i, (_, kind, _) in enumerate(self.parts) if kind == 'lin' and self.ghost(i)]
 
     def formed(self, i:int, rows:slice=slice(None), out:Tensor|None=None) -> Tensor:
-        "Part `i`'s per-example gradients `Σₜ gₜaₜᵀ` over examples `rows`, `[n, d_out·d_in]`; written into `out` (`[≥n, d_out, d_in]`) when given"
+        "Part `i`'s per-example gradients `Σₜ gₜaₜᵀ` over examples `rows`, `[n, d_out·d_in]` (a convolution's in its patches' order); written into the flat buffer `out` when given"
         a, g = self.io(i, rows)
-        return torch.bmm(g.transpose(1, 2), a, out=None if out is None else out[:len(a)]).flatten(1)
+        return torch.bmm(g.transpose(1, 2), a, out=None if out is None else out[:a.shape[0] * g.shape[2] * a.shape[2]].view(len(a), g.shape[2], -1)).flatten(1)
+
+    def formed_size(self, chunk:int) -> int:
+        "The floats of the largest chunk of `chunk` examples' per-example gradients `stats` forms for this module (0 without any)"
+        return max([min(chunk, len(d[1][0])) * d[0].weight.numel() for i, (_, kind, d) in enumerate(self.parts) if kind == 'lin' and not self.ghost(i)], default=0)
 
     def rows(self) -> list:
         "The parts held as per-example gradients `[B, n]`, a linear map's formed where that is the cheaper way to its Gram"
@@ -193,36 +206,39 @@ class _Layer:
                 G = G + ((idx[:, None, :, None] == idx[None, :, None, :]) * torch.einsum('btd,csd->bcts', g, g)).sum((2, 3))
         return G
 
-    def stats(self, W:Tensor|None) -> tuple:
-        "`(WᵀG₁W, diag G₁)` of this module's share `G₁` of `G` (`WᵀG₁W` 0 without `W`), a linear map's per-example gradients formed a chunk of examples at a time and never kept"
-        q, n = 0, 0
+    def stats(self, W:Tensor|None, direction:dict|None=None, buf:Tensor|None=None) -> tuple:
+        "`(WᵀG₁W, diag G₁, ∇ℓᵢ·d)` of this module's share `G₁` of `G` (`WᵀG₁W` 0 without `W`, the derivatives 0 without a direction), a linear map's per-example gradients formed a chunk of examples at a time into `buf` (`formed_size(32)` floats) and never kept"
+        q, n, along, direction = 0, 0, 0, direction or {}
         sq = lambda r: torch.linalg.vector_norm(r, dim=1) ** 2
-        for _, kind, d in self.parts:
+        for name, kind, d in self.parts:
             if kind == 'rows':
                 if W is not None: M = W.T @ d; q = q + M @ M.T
                 n = n + sq(d)
-        for i, (_, kind, d) in enumerate(self.parts):
+        done = set()   # the parts whose derivatives come with their formed gradients
+        for i, (name, kind, d) in enumerate(self.parts):
             if kind != 'lin' or self.ghost(i): continue
-            M, ns, buf = None, [], None
-            for c in range(0, len(d[1][0]), 32):   # a chunk of examples at a time, unfolded and formed in the cache: all at once costs several times more
+            D = _in_order(d[0], d[1][0], direction[name].float()) if name in direction else None
+            M, ns, ds = None, [], []
+            for c in range(0, len(d[1][0]), 32):   # a chunk of examples at a time, formed in the cache: all at once costs several times more
                 r = self.formed(i, slice(c, c + 32), buf)
-                if buf is None: buf = r.view(len(r), d[0].weight.shape[0], -1)   # the next chunks reuse its memory: new memory costs its paging in
                 ns.append(sq(r))
+                if D is not None: ds.append(r @ D)
                 if W is not None: M = W[c:c + 32].T @ r if M is None else M.addmm_(W[c:c + 32].T, r)
             n = n + torch.cat(ns)
+            if ds: along = along + torch.cat(ds); done.add(i)
             if W is not None: q = q + M @ M.T
         ghosts = self.ghosts()   # unfolded once, for the norms and the Gram
         for a, g in ghosts: n = n + (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
         for _, kind, d in self.parts:
             if kind == 'emb': idx, g = d; n = n + ((idx[:, :, None] == idx[:, None, :]) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
         G = self.factored(ghosts) if W is not None else 0
-        return (q + W.T @ G @ W if isinstance(G, Tensor) else q), n
+        return (q + W.T @ G @ W if isinstance(G, Tensor) else q), n, along + self.along(direction, skip=done)
 
-    def along(self, direction:dict) -> Tensor:
-        "This module's share of `∇ℓᵢ·d` per example, for a direction given per parameter name"
+    def along(self, direction:dict, skip:set=frozenset()) -> Tensor:
+        "This module's share of `∇ℓᵢ·d` per example, for a direction given per parameter name; the parts numbered in `skip` left out"
         out = 0
-        for name, kind, d in self.parts:
-            if name not in direction: continue
+        for i, (name, kind, d) in enumerate(self.parts):
+            if name not in direction or i in skip: continue
             D = direction[name].float()
             if kind == 'rows': out = out + d @ D.reshape(-1)
             elif kind == 'lin': m, xs, gs = d; out = out + sum(_lin_along(m, x, g, D) for x, g in zip(xs, gs))
@@ -253,17 +269,22 @@ class GradientSketch:
     def gramian(self) -> Tensor:
         "`G[i, j] = ∇ℓᵢ·∇ℓⱼ`, `[B, B]`"
         return sum(sum(r @ r.T for r in l.rows()) + l.factored() for l in self.layers)
-    def stats(self, W:Tensor|None=None) -> tuple:
-        "`(WᵀGW, diag G)` for weights `W` (`[B, k]`, a column per weighted sum of the examples' gradients), in one pass and without forming `G`: all a probe needs"
+    def stats(self, W:Tensor|None=None, direction:dict|None=None) -> tuple:
+        "`(WᵀGW, diag G, ∇ℓᵢ·d)` for weights `W` (`[B, k]`, a column per weighted sum of the examples' gradients) and a direction per parameter name, in one pass and without forming `G`: all a probe needs (the derivatives None without a direction)"
         W = None if W is None else W.float().to(self.losses.device)
-        qs, ns = zip(*(l.stats(W) for l in self.layers))
-        return sum(qs), sum(ns)
+        size = max(l.formed_size(32) for l in self.layers)
+        buf = torch.empty(size, device=self.losses.device) if size else None   # one buffer for every chunk of every layer: new memory costs its paging in
+        qs, ns, ds = zip(*(l.stats(W, direction, buf) for l in self.layers))
+        return sum(qs), sum(ns), None if direction is None else sum(ds)
     def quad(self, W:Tensor) -> Tensor:
         "`WᵀGW` (`[k, k]`): the inner products of the weighted sums of the examples' gradients that `W`'s columns give"
         return self.stats(W)[0]
     def sq_norms(self) -> Tensor:
         "`‖∇ℓᵢ‖²` per example: `G`'s diagonal"
         return self.stats()[1]
+    def inputs(self) -> list:
+        "The layers' inputs it holds as factors: they must keep their values until its statistics are taken (an optimizer step changes a parameter that a layer took as its input in place)"
+        return [x for l in self.layers for _, kind, d in l.parts if kind == 'lin' for x in d[1]]
     def along(self, direction:dict) -> Tensor:
         "`∇ℓᵢ·d` per example, for a direction given per parameter name (`model.named_parameters()`); a parameter it does not name counts as 0"
         return sum(l.along(direction) for l in self.layers)

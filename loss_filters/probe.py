@@ -48,6 +48,11 @@ def _over(f, xs) -> float:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return f(xs) if xs else float('nan')
 
+def _holds_params(sk, model) -> bool:
+    "Whether a layer input the sketch holds is (a view of) a parameter, which the step changes before statistics that waited for it are taken"
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return any(x.untyped_storage().data_ptr() in ptrs for x in sk.inputs())
+
 # %% ../nbs/05a_probe.ipynb #796935f1
 class ProbeColumns(FitColumns):
     "The probe's columns in the fit table: epoch means of the probed batches (α's median)"
@@ -121,10 +126,10 @@ class GradientProbeCallback(Callback):
                           "a probe costs many training steps: raise `every` to spend less", stacklevel=2)
 
     def _timed(self, part:str, f, *args):
-        "Run `f` without autocast, its seconds counted in `seconds` and in `part_seconds[part]`"
+        "`f(*args)` without autocast, its seconds counted in `seconds` and in `part_seconds[part]`"
         t = time.perf_counter()
         try:
-            with _full_precision(): f(*args)
+            with _full_precision(): return f(*args)
         finally:
             s = _since(t, self.learn.model)
             self.seconds += s; self.part_seconds[part] = self.part_seconds.get(part, 0.) + s
@@ -138,12 +143,14 @@ class GradientProbeCallback(Callback):
         if self._full is not None: self._due = False; self._timed('gramian', self._probe)
 
     def after_step(self):
-        "Count the step (the next one due is probed whatever a filter holds back); the probed step's α starts here"
+        "Count the step (the next one due is probed whatever a filter holds back); the probed step's α starts here, its statistics with it where they wait for the step's direction"
         self._steps += 1
         if self._steps % self.every == 0: self._due = True
-        if self._start is not None: self._timed('alpha_start', self._start_alpha)
+        if self._start is not None: self._start_alpha()
 
     def _no_alpha(self, why:str):
+        "No α for the probed step: its statistics, if they waited for the step, taken now without its direction"
+        if self._start is not None and self._start[-1] is None: self._timed('gramian', self._finish, None)   # statistics that waited for a step
         if self._start is not None: self._start[-1]['alpha_note'] = why
         self._start = None
 
@@ -194,45 +201,61 @@ class GradientProbeCallback(Callback):
                 for k, v in s.items():
                     if d.get(k, _missing) is not v: d[k] = v
 
-    def _gram_stats(self, xb, yb, W:Tensor) -> tuple:
-        "`(WᵀGW, diag G, losses, sketch)` for the rows `xb, yb`: from their per-example gradients' factors, or torchjd's Gramian where a layer has no rule"
-        learn = self.learn
-        kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
-        sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
-        if sk is not None:
-            Q, diag = sk.stats(W)
-            return Q.double().cpu(), diag.double().cpu(), sk.losses.cpu(), sk
-        G, losses = self._untouched(per_example_gramian, learn.model, xb, yb, learn.loss_func, return_losses=True, engine='torchjd', **kw)
-        G = G.double().cpu()
-        return W.T @ G @ W, G.diagonal(), losses.cpu(), None
-
     def _probe(self):
-        "The probed batch's per-example gradients, and what they say of the step against the batch and against chance"
+        "The probed batch's per-example gradients: their statistics now, or after the step where its α's start comes with them (the derivatives along the step from the same formed gradients)"
         learn = self.learn
         xb, yb, u, B = self._step_rows()
+        W = self._columns(u, B)
+        kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
+        sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
+        info = dict(W=W, u=u, B=B, sk=sk, iter=learn.train_iter, epoch=learn.epoch, lr=float(learn.opt.hypers[-1]['lr']))
+        before = {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad} if self.alpha else None
+        if self.alpha and sk is not None and self.modules is None and not _holds_params(sk, learn.model):   # the whole model's sketch: its statistics wait for the step's direction
+            self._start = (self._full, info, B, before, None); return
+        if sk is None:
+            G, losses = self._untouched(per_example_gramian, learn.model, xb, yb, learn.loss_func, return_losses=True, engine='torchjd', **kw)
+            G = G.double().cpu()
+            rec = self._record(info, W.T @ G @ W, G.diagonal(), losses.cpu())
+        else: rec = self._finish(None, info)
+        if self.alpha: self._start = (self._full, None, B, before, rec)   # α's start: a pass of its own over the whole batch
+
+    def _columns(self, u:Tensor, B:int) -> Tensor:
+        "The weights `[rows, k]` of the sums of gradients compared: the step's, the whole batch's, and the step's weights dealt to random rows of the batch"
         pooled = len(u) != B   # a `fill_batch` step on pooled rows: random rows of this batch are not its twin, so no random comparison
         v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 if self._summed() else 1 / B   # the whole batch's step, reduced as the loss reduces it
         trained = u[:B] if not pooled else u[B:]
         cols = [u, v]
-        for _ in range(0 if pooled else self.n_random):   # the step's weights dealt to random rows of the batch
+        for _ in range(0 if pooled else self.n_random):
             r = torch.zeros(len(u), dtype=torch.float64)
             rows = torch.randperm(B, generator=self.gen, device=self.gen.device)[:len(trained)].cpu()
             r[rows] = trained[torch.randperm(len(trained), generator=self.gen, device=self.gen.device).cpu()]
             cols.append(r)
-        Q, diag, losses, sk = self._gram_stats(xb, yb, torch.stack(cols, 1))
+        return torch.stack(cols, 1)
+
+    def _finish(self, unit:dict|None, info:dict|None=None):
+        "The sketch's statistics and the record of its step, with the derivatives along `unit` when given: `(record, derivatives)` where it waited for the step, else the record"
+        waited = info is None
+        if waited: info = self._start[1]
+        Q, diag, along = info['sk'].stats(info['W'], unit)
+        rec = self._record(info, Q.double().cpu(), diag.double().cpu(), info['sk'].losses.cpu())
+        if not waited: return rec
+        self._start = (*self._start[:-1], rec)
+        return along
+
+    def _record(self, info:dict, Q:Tensor, diag:Tensor, losses:Tensor) -> dict:
+        "What the statistics say of the step against the batch and against chance, appended to `stats`"
+        u, B = info['u'], info['B']
+        pooled, k = len(u) != B, Q.shape[0]
         n = Q.diagonal().clamp_min(0).sqrt()   # the norms of the weighted gradients
         cos = lambda i: (Q[i, 1] / (n[i] * n[1])).item() if n[i] * n[1] > 0 else 0.
-        rc, nan = torch.tensor([cos(i) for i in range(2, len(cols))], dtype=torch.float64), float('nan')
-        rn = [(n[i] / n[1]).item() for i in range(2, len(cols))]
-        self.stats.append(dict(iter=learn.train_iter, epoch=learn.epoch, bs=B, trained=int((u[:B] > 0).sum()) if not pooled else len(trained),
+        rc, nan = torch.tensor([cos(i) for i in range(2, k)], dtype=torch.float64), float('nan')
+        rn = [(n[i] / n[1]).item() for i in range(2, k)]
+        self.stats.append(dict(iter=info['iter'], epoch=info['epoch'], bs=B, trained=int((u[:B] > 0).sum()) if not pooled else len(u) - B,
                                grad_cos=cos(0), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
                                rand_cos_max=rc.max().item() if len(rc) else nan, rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
                                norm_ratio=(n[0] / n[1]).item(), rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
-                               rho=spearman(losses[:B], diag[:B].clamp_min(0).sqrt()), alpha=None, alpha_note=None,
-                               lr=float(learn.opt.hypers[-1]['lr'])))
-        if self.alpha:   # the step's start: the whole batch at the parameters before the step (the sketch's own rows when it covers every parameter)
-            whole = sk if sk is not None and self.modules is None else None
-            self._start = (self._full, whole, B, {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad}, self.stats[-1])
+                               rho=spearman(losses[:B], diag[:B].clamp_min(0).sqrt()), alpha=None, alpha_note=None, lr=info['lr']))
+        return self.stats[-1]
 
     def _measure(self, xb, yb, params=None) -> tuple:
         "The losses and their derivatives along the unit step direction of the examples of `xb, yb`"
@@ -246,16 +269,23 @@ class GradientProbeCallback(Callback):
         var = lambda t: t.var().item() if len(t) > 1 else 0.
         return l.mean().item(), var(l), dd.mean().item(), var(dd)
 
-    def _start_alpha(self):
-        (xb, yb), sk, B, before, rec = self._start
-        self._start = None
+    def _direction(self, before:dict) -> tuple:
+        "The step's length `t` and its unit direction per parameter name (None where it did not move)"
         named = dict(self.learn.model.named_parameters())
         d = {k: named[k].detach() - p for k, p in before.items()}
         t = math.sqrt(sum(float(x.double().pow(2).sum()) for x in d.values()))
+        return t, ({k: x / t for k, x in d.items()} if t > 0 else None)
+
+    def _start_alpha(self):
+        "The probed step's direction, then its start on the whole batch: the losses and their derivatives along it, from the formed gradients of the statistics that waited for it, else from a pass of their own"
+        (xb, yb), info, B, before, rec = self._start
+        t, unit = self._timed('alpha_start', self._direction, before)
+        along = self._timed('gramian', self._finish, unit) if rec is None else None
+        rec, self._start = self._start[-1], None
         rec['step_size'] = t
-        if t == 0: rec['alpha'], rec['alpha_epoch'] = -1., self.epoch; return
-        self._unit = {k: x / t for k, x in d.items()}
-        l, dd = (sk.losses[:B], sk.along(self._unit)[:B]) if sk is not None else self._measure(xb, yb, params=before)
+        if unit is None: rec['alpha'], rec['alpha_epoch'] = -1., self.epoch; return
+        self._unit = unit
+        l, dd = (info['sk'].losses[:B], along[:B]) if along is not None else self._timed('alpha_start', self._measure, xb, yb, before)
         self._end = (t, self._moments(l, dd), rec)
 
     def _finish_alpha(self):

@@ -407,8 +407,10 @@ def test_probe_cost_option(tmp_path):
     "`--probe_cost`: the probe's time per probe and by part, a plain step's, and its share of a real fit, written to probe_cost.json"
     res = lf_bench(data='digits', bs=64, out=str(tmp_path), model='mlp', probe_cost=True)
     saved = json.loads((tmp_path / 'probe_cost.json').read_text())
-    assert saved['model'] == 'mlp' and saved['every'] == 50 and saved['probes'] == 1   # 22 steps of digits: the first is probed
-    assert saved['probe_ms'] > 0 and saved['step_ms'] > 0 and 0 < saved['share'] < 1
-    assert saved['probe_steps'] == pytest.approx(saved['probe_ms'] / saved['step_ms'])
-    assert saved['gramian_ms'] + saved['alpha_start_ms'] + saved['alpha_end_ms'] == pytest.approx(saved['probe_ms'])
+    assert saved['model'] == 'mlp' and saved['every'] == 50 and saved['probes'] == 1 and saved['steps'] == 22   # 22 steps of digits: the first is probed
+    assert saved['probe_ms'] > 0 and saved['step_ms'] > 0 and 0 < saved['share'] < 1 and len(saved['runs']) == saved['repeats'] == 3
+    for r in saved['runs']:   # each probed fit: a probe against a step of the same fit, the probe's parts adding up to it, a plain fit beside
+        assert r['probe_steps'] == pytest.approx(r['probe_ms'] / r['step_ms']) and r['plain_step_ms'] > 0
+        assert r['gramian_ms'] + r['alpha_start_ms'] + r['alpha_end_ms'] == pytest.approx(r['probe_ms'])
+    for k in ('probe_ms', 'step_ms', 'probe_steps', 'share'): assert saved[k] == pytest.approx(sorted(r[k] for r in saved['runs'])[1])   # the medians
     assert res['data'] == 'digits' and not (tmp_path / 'results.json').exists()   # no comparison ran

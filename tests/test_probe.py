@@ -50,10 +50,11 @@ def test_the_hooked_path_matches_brute_force_on_every_layer_it_takes():
     sk = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss())
     assert sk is not None and _rel(sk.gramian(), J @ J.T) < 1e-5
     W = torch.randn(16, 4)
-    Q, diag = sk.stats(W)
+    Q, diag, _ = sk.stats(W)
     assert _rel(Q, W.T @ J @ J.T @ W) < 1e-5 and _rel(diag, (J * J).sum(1)) < 1e-5
     d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
     flat = torch.cat([d[k].reshape(-1) for k, _ in model.named_parameters()])
+    assert _rel(sk.stats(W, d)[2], J @ flat) < 1e-5
     l, dd = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='hooks')
     assert _rel(dd, J @ flat) < 1e-5 and _rel(sk.along(d), J @ flat) < 1e-5   # the one-pass path and the sketch's factors (α's start)
     half = {k: v for k, v in list(d.items())[::2]}   # a direction that names some parameters only: the others count as 0
@@ -79,10 +80,11 @@ def test_channels_last_patches_match_brute_force_on_any_kernel_stride_padding_an
     J = brute_jacobian(model, x, y, list(model.parameters()))
     sk = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss())
     W = torch.randn(10, 3)
-    Q, diag = sk.stats(W)
+    Q, diag, _ = sk.stats(W)
     assert _rel(sk.gramian(), J @ J.T) < 1e-5 and _rel(Q, W.T @ J @ J.T @ W) < 1e-5 and _rel(diag, (J * J).sum(1)) < 1e-5
     d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
-    assert _rel(sk.along(d), J @ torch.cat([d[k].reshape(-1) for k, _ in model.named_parameters()])) < 1e-5
+    ref = J @ torch.cat([d[k].reshape(-1) for k, _ in model.named_parameters()])
+    assert _rel(sk.along(d), ref) < 1e-5 and _rel(sk.stats(W, d)[2], ref) < 1e-5   # forward products, and the formed gradients against the direction in their order
 
 def test_the_bench_cnns_sketch_matches_torchjd_and_forward_mode(digits):
     "The bench CNN (BatchNorm, in-place ReLU) at its full widths: the factors against torchjd's Gramian and against forward-mode derivatives, to 1e-5"
@@ -93,12 +95,14 @@ def test_the_bench_cnns_sketch_matches_torchjd_and_forward_mode(digits):
     G_ref = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='torchjd')
     assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks'), G_ref) < 1e-5
     W = torch.randn(64, 10)
-    Q, diag = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()).stats(W)
+    Q, diag, _ = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()).stats(W)
     assert _rel(Q, W.T @ G_ref @ W) < 1e-5 and _rel(diag, G_ref.diagonal()) < 1e-5
     d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
     ref = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='jvp')
     got = directional_derivatives(model, (x,), (y,), nn.CrossEntropyLoss(), d, engine='hooks')
     assert _rel(got[1], ref[1]) < 1e-5 and torch.allclose(got[0], ref[0], atol=1e-6)
+    Q2, diag2, dd = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()).stats(W, d)   # α's start: the derivatives with the statistics
+    assert _rel(dd, ref[1]) < 1e-5 and _rel(Q2, Q) < 1e-6 and _rel(diag2, diag) < 1e-6
 
 def test_layers_without_a_rule_go_to_torchjd_or_are_refused():
     class Rnn(nn.Module):
