@@ -282,22 +282,33 @@ class GradientSketch:
     def sq_norms(self) -> Tensor:
         "`‖∇ℓᵢ‖²` per example: `G`'s diagonal"
         return self.stats()[1]
-    def inputs(self) -> list:
-        "The layers' inputs it holds as factors: they must keep their values until its statistics are taken (an optimizer step changes a parameter that a layer took as its input in place)"
-        return [x for l in self.layers for _, kind, d in l.parts if kind == 'lin' for x in d[1]]
     def along(self, direction:dict) -> Tensor:
         "`∇ℓᵢ·d` per example, for a direction given per parameter name (`model.named_parameters()`); a parameter it does not name counts as 0"
         return sum(l.along(direction) for l in self.layers)
 
+def _used_elsewhere(losses:Tensor, calls:dict) -> bool:
+    "Whether a parameter reaches the losses other than through its own module's calls (`F.linear(h, emb.weight)` in another module's forward), which engines that see parameters through their modules miss: the autograd graph's edges into each parameter against `calls`, `{id(parameter): its module's calls}`"
+    uses, seen, todo = {}, set(), [losses.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen: continue
+        seen.add(fn)
+        for nxt, _ in fn.next_functions:
+            v = getattr(nxt, 'variable', None)   # an `AccumulateGrad` node: a leaf, a parameter
+            if v is not None: uses[id(v)] = uses.get(id(v), 0) + 1
+            elif nxt is not None: todo.append(nxt)
+    return any(uses.get(k, 0) > n for k, n in calls.items())
+
 def _sketch(model:nn.Module, owners:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> GradientSketch|None:
-    "Hook `owners`, run the batch forward and its losses backward to their outputs only (no parameter's gradient): the sketch; None when a module's input was changed in place after it"
+    "Hook `owners`, run the batch forward and its losses backward to their outputs only (no parameter's gradient): the sketch; None when a module's input was changed in place after it, or one of their parameters is also used outside its module"
     taps = [_Tap(m) for m in owners]
     hooks = [m.register_forward_hook(t) for m, t in zip(owners, taps)]
     try: losses = _example_losses(model, xb, yb, loss_func, after_pred).float()
     finally:
         for h in hooks: h.remove()
     used = [t for t in taps if t.outs]
-    if not all(t.intact() for t in used): return None
+    calls = {id(p): len(t.outs) for t in taps for p in t.mod.parameters(recurse=False) if p.requires_grad}
+    if not all(t.intact() for t in used) or _used_elsewhere(losses, calls): return None
     grads = iter(torch.autograd.grad(losses.sum(), [o for t in used for o in t.outs], allow_unused=True))
     for t in used: t.grads = [torch.zeros_like(o) if g is None else g for o, g in zip(t.outs, grads)]
     names = {id(p): k for k, p in model.named_parameters()}
@@ -319,14 +330,42 @@ def example_gradients(model:nn.Module, # the model
         if owners is None: return None
         with torch.enable_grad(): return _sketch(model, owners, xb, yb, loss_func, after_pred)
 
-ENGINES = ('auto', 'hooks', 'torchjd')
+ENGINES = ('auto', 'hooks', 'torchjd', 'jacobian')
 
 def _check_engine(engine:str):
     if engine not in ENGINES: raise ValueError(f"`engine` must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
 
 def _no_hooks(what:str):
     raise ValueError(f"{what}(engine='hooks'): a layer it has no rule for (a recurrent layer, a BatchNorm in training mode, a grouped "
-                     "convolution, a parameter two modules share) owns some of the parameters; use engine='auto' (torchjd's engine there)")
+                     "convolution, a parameter two modules share or one used outside its module) owns some of the parameters; use engine='auto' "
+                     "(torchjd's engine there, or the whole Jacobian)")
+
+def _own_params(mods:list) -> list:
+    "The trainable parameters of `mods`, each once"
+    return list({id(p): p for mod in mods for p in mod.parameters() if p.requires_grad}.values())
+
+def _seen_by_modules(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> bool:
+    "Whether every trainable parameter of `mods` reaches the losses through its own module's calls only, as torchjd's engine sees it: one forward pass, counting the calls"
+    owners = [m for mod in mods for m in mod.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    n = {m: 0 for m in owners}
+    def count(m, args, out): n[m] += 1
+    hooks = [m.register_forward_hook(count) for m in owners]
+    try: losses = _example_losses(model, xb, yb, loss_func, after_pred)
+    finally:
+        for h in hooks: h.remove()
+    return not _used_elsewhere(losses, {id(p): n[m] for m in owners for p in m.parameters(recurse=False) if p.requires_grad})
+
+def _jacobian_gramian(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> tuple:
+    "`(G, losses)` from the losses' whole Jacobian over the parameters of `mods` (`torch.func.jacrev`, `B x P` floats): exact for any model, the slowest way"
+    from torch.func import functional_call, jacrev
+    ps = {id(p) for p in _own_params(mods)}
+    at = {k: p.detach() for k, p in model.named_parameters() if id(p) in ps}
+    def losses(q): return _example_losses(lambda *x: functional_call(model, q, x, strict=False), xb, yb, loss_func, after_pred)
+    with _same_tensors(model):
+        J = jacrev(losses)(at)
+        l = losses(at)
+    J = torch.cat([j.reshape(len(l), -1) for j in J.values()], 1).float()
+    return J @ J.T, l.detach().float()
 
 # %% ../nbs/00c_geometry.ipynb #67f68c0c
 def per_example_gramian(model:nn.Module, # the model
@@ -337,26 +376,32 @@ def per_example_gramian(model:nn.Module, # the model
                         train:bool=False, # run the model in training mode (see above); default eval mode, where each loss depends on its own example only
                         after_pred=None, # a function of the prediction, applied before the loss
                         return_losses:bool=False, # also return the per-example losses of the same pass: `(G, losses)`
-                        engine:str='auto' # 'hooks' (the layers' factors), 'torchjd' (its autogram engine), 'auto': hooks where every layer has a rule
+                        engine:str='auto' # 'hooks' (the layers' factors), 'torchjd' (its autogram engine), 'jacobian' (the losses' whole Jacobian), 'auto': hooks where every layer has a rule, else torchjd where it sees every parameter, else the Jacobian
                        ) -> Tensor|tuple:
     "The `B x B` Gramian `G[i, j] = ∇ℓᵢ·∇ℓⱼ` of the batch's per-example losses over the trainable parameters of `modules`"
     _check_engine(engine)
-    if engine != 'torchjd':
+    if engine in ('auto', 'hooks'):
         sk = example_gradients(model, xb, yb, loss_func, modules=modules, train=train, after_pred=after_pred)
         if sk is not None:
             G = sk.gramian()
             return (G, sk.losses) if return_losses else G
         if engine == 'hooks': _no_hooks('per_example_gramian')
+    G, losses = _gramian_without_hooks(model, xb, yb, loss_func, modules, train, after_pred, engine)
+    return (G, losses) if return_losses else G
+
+def _gramian_without_hooks(model:nn.Module, xb:tuple, yb:tuple, loss_func, modules:list|None=None, train:bool=False, after_pred=None, engine:str='auto') -> tuple:
+    "`(G, losses)` from torchjd's engine, or from the losses' whole Jacobian where a parameter is used outside its module, which torchjd's engine does not see ('auto')"
     mods = [model] if modules is None else list(modules)
     with _mode(model, train), _measurable(model, train) as swapped:
         mods = [swapped.get(m, m) for m in mods]
+        if engine == 'jacobian' or (engine == 'auto' and not _seen_by_modules(model, mods, xb, yb, loss_func, after_pred)):
+            return _jacobian_gramian(model, mods, xb, yb, loss_func, after_pred)
         batched = _batched_ok(mods) and not (train and _has_norm([model]))   # a norm layer in training mode ties the examples together
-        engine = _engine(mods, batched=batched)
+        eng = _engine(mods, batched=batched)
         try:
             losses = _example_losses(model, xb, yb, loss_func, after_pred)
-            G = engine.compute_gramian(losses).detach()
-            return (G, losses.detach().float()) if return_losses else G
-        finally: del engine   # its hooks go with it
+            return eng.compute_gramian(losses).detach(), losses.detach().float()
+        finally: del eng   # its hooks go with it
 
 def gram_norm(G:Tensor, u:Tensor) -> Tensor:
     "The norm of the weighted gradient `Σuᵢ∇ℓᵢ`, from the Gramian `G`"

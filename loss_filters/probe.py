@@ -16,7 +16,7 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner
 from fastai.torch_core import find_bs
-from .geometry import per_example_gramian, directional_derivatives, step_alpha, example_gradients
+from .geometry import directional_derivatives, step_alpha, example_gradients, _gramian_without_hooks
 from .core import check_int, dist_world, own_generator
 from .base import LossFilterBase, FitColumns, by_keyword
 
@@ -47,11 +47,6 @@ def _over(f, xs) -> float:
     "`f` (a mean, a median) of the values of `xs` that are there; NaN without any"
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return f(xs) if xs else float('nan')
-
-def _holds_params(sk, model) -> bool:
-    "Whether a layer input the sketch holds is (a view of) a parameter, which the step changes before statistics that waited for it are taken"
-    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return any(x.untyped_storage().data_ptr() in ptrs for x in sk.inputs())
 
 # %% ../nbs/05a_probe.ipynb #796935f1
 class ProbeColumns(FitColumns):
@@ -210,10 +205,10 @@ class GradientProbeCallback(Callback):
         sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
         info = dict(W=W, u=u, B=B, sk=sk, iter=learn.train_iter, epoch=learn.epoch, lr=float(learn.opt.hypers[-1]['lr']))
         before = {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad} if self.alpha else None
-        if self.alpha and sk is not None and self.modules is None and not _holds_params(sk, learn.model):   # the whole model's sketch: its statistics wait for the step's direction
+        if self.alpha and sk is not None and self.modules is None:   # the whole model's sketch (activations and their gradients, which the step leaves as they are): its statistics wait for the step's direction
             self._start = (self._full, info, B, before, None); return
         if sk is None:
-            G, losses = self._untouched(per_example_gramian, learn.model, xb, yb, learn.loss_func, return_losses=True, engine='torchjd', **kw)
+            G, losses = self._untouched(_gramian_without_hooks, learn.model, xb, yb, learn.loss_func, **kw)   # torchjd's, or the whole Jacobian
             G = G.double().cpu()
             rec = self._record(info, W.T @ G @ W, G.diagonal(), losses.cpu())
         else: rec = self._finish(None, info)

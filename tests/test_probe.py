@@ -472,3 +472,35 @@ def test_a_sketch_holds_nothing_once_dropped():
     refs = [weakref.ref(l) for l in sk.layers]
     del sk; gc.collect()
     assert all(r() is None for r in refs)
+
+_COLS = ('bs', 'trained', 'grad_cos', 'rand_cos', 'rand_cos_min', 'rand_cos_max', 'norm_ratio', 'rand_norm_ratio', 'rho')
+
+@pytest.mark.parametrize('make', [mlp, bn_cnn])
+def test_statistics_that_wait_for_the_step_are_those_taken_at_once(digits, make):
+    "With α the statistics are taken after the step, with the derivatives along it: the same numbers as without α, and the same α as from a pass of its own at the parameters before the step (how a probe given `modules` measures it, here the whole model)"
+    def run(alpha, whole):
+        set_seed(0)
+        learn = Learner(make_dls(*digits, bs=32), make(), loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+        learn.add_cbs([BatchLossFilterCallback(skip_epochs=0), GradientProbeCallback(every=3, alpha=alpha, modules=[learn.model] if whole else None)])
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(1, 1e-2)
+        return learn.probe.table()
+    runs = {'no_alpha': run(False, False), 'waits': run(True, False), 'at_once': run(True, True)}
+    for name in ('waits', 'at_once'):
+        for k in _COLS: np.testing.assert_allclose(runs[name][k], runs['no_alpha'][k], rtol=1e-9, err_msg=f'{name} {k}')
+    a, b = runs['waits'].alpha.dropna().to_numpy(float), runs['at_once'].alpha.dropna().to_numpy(float)
+    assert len(a) == len(b) >= len(runs['waits']) - 1 and np.allclose(a, b, rtol=1e-4, atol=1e-6)   # α from the formed gradients = α from a pass
+
+class _Tied(nn.Module):
+    "An embedding whose weight the output layer also uses directly (`h @ emb.weight.T`), as weight-tied language models do"
+    def __init__(self): super().__init__(); self.emb, self.lin = nn.Embedding(10, 6), nn.Linear(6, 6)
+    def forward(self, x): return torch.tanh(self.lin(self.emb(x).mean(1))) @ self.emb.weight.T
+
+def test_a_parameter_used_outside_its_module_leaves_the_gramian_to_torchjd():
+    "The factors see a parameter through its own module's calls only: another use of it would drop part of its gradient, so the hooked path refuses and `auto` takes torchjd's exact Gramian"
+    torch.manual_seed(0)
+    model, x, y = _Tied(), torch.randint(0, 10, (12, 5)), torch.randint(0, 10, (12,))
+    assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()) is None
+    J = brute_jacobian(model, x, y, list(model.parameters()))
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss()), J @ J.T) < 1e-5
+    with pytest.raises(ValueError, match="engine='hooks'"): per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks')
+    assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss(), modules=[model.lin]) is not None   # the linear layer alone is seen whole
