@@ -11,7 +11,7 @@ from torch import nn, Tensor
 from .core import frozen_norm_stats, plain, per_sample_loss
 
 # %% auto #0
-__all__ = ['ENGINES', 'GradientSketch', 'example_gradients', 'per_example_gramian', 'gram_norm', 'gram_cos',
+__all__ = ['ENGINES', 'JACOBIAN_FLOATS', 'GradientSketch', 'example_gradients', 'per_example_gramian', 'gram_norm', 'gram_cos',
            'directional_derivatives', 'step_alpha']
 
 # %% ../nbs/00c_geometry.ipynb #ea40e7be
@@ -340,12 +340,14 @@ def _no_hooks(what:str):
                      "convolution, a parameter two modules share or one used outside its module) owns some of the parameters; use engine='auto' "
                      "(torchjd's engine there, or the whole Jacobian)")
 
+JACOBIAN_FLOATS = 2 ** 26   # the largest per-example Jacobian `engine='auto'` forms (256 MB of floats) where torchjd's engine misses a use
+
 def _own_params(mods:list) -> list:
     "The trainable parameters of `mods`, each once"
     return list({id(p): p for mod in mods for p in mod.parameters() if p.requires_grad}.values())
 
-def _seen_by_modules(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> bool:
-    "Whether every trainable parameter of `mods` reaches the losses through its own module's calls only, as torchjd's engine sees it: one forward pass, counting the calls"
+def _seen_by_modules(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> tuple:
+    "`(whether every trainable parameter of mods reaches the losses through its own module's calls only, as torchjd's engine sees it, the batch size)`: one forward pass, counting the calls"
     owners = [m for mod in mods for m in mod.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
     n = {m: 0 for m in owners}
     def count(m, args, out): n[m] += 1
@@ -353,7 +355,7 @@ def _seen_by_modules(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, 
     try: losses = _example_losses(model, xb, yb, loss_func, after_pred)
     finally:
         for h in hooks: h.remove()
-    return not _used_elsewhere(losses, {id(p): n[m] for m in owners for p in m.parameters(recurse=False) if p.requires_grad})
+    return not _used_elsewhere(losses, {id(p): n[m] for m in owners for p in m.parameters(recurse=False) if p.requires_grad}), len(losses)
 
 def _jacobian_gramian(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> tuple:
     "`(G, losses)` from the losses' whole Jacobian over the parameters of `mods` (`torch.func.jacrev`, `B x P` floats): exact for any model, the slowest way"
@@ -376,7 +378,7 @@ def per_example_gramian(model:nn.Module, # the model
                         train:bool=False, # run the model in training mode (see above); default eval mode, where each loss depends on its own example only
                         after_pred=None, # a function of the prediction, applied before the loss
                         return_losses:bool=False, # also return the per-example losses of the same pass: `(G, losses)`
-                        engine:str='auto' # 'hooks' (the layers' factors), 'torchjd' (its autogram engine), 'jacobian' (the losses' whole Jacobian), 'auto': hooks where every layer has a rule, else torchjd where it sees every parameter, else the Jacobian
+                        engine:str='auto' # 'hooks' (the layers' factors), 'torchjd' (its autogram engine), 'jacobian' (the losses' whole Jacobian), 'auto': hooks where every layer has a rule, else torchjd where it sees every parameter, else the Jacobian up to `JACOBIAN_FLOATS`
                        ) -> Tensor|tuple:
     "The `B x B` Gramian `G[i, j] = ∇ℓᵢ·∇ℓⱼ` of the batch's per-example losses over the trainable parameters of `modules`"
     _check_engine(engine)
@@ -394,8 +396,13 @@ def _gramian_without_hooks(model:nn.Module, xb:tuple, yb:tuple, loss_func, modul
     mods = [model] if modules is None else list(modules)
     with _mode(model, train), _measurable(model, train) as swapped:
         mods = [swapped.get(m, m) for m in mods]
-        if engine == 'jacobian' or (engine == 'auto' and not _seen_by_modules(model, mods, xb, yb, loss_func, after_pred)):
-            return _jacobian_gramian(model, mods, xb, yb, loss_func, after_pred)
+        if engine == 'auto':
+            seen, B = _seen_by_modules(model, mods, xb, yb, loss_func, after_pred)
+            if not seen and B * sum(p.numel() for p in _own_params(mods)) <= JACOBIAN_FLOATS: engine = 'jacobian'
+            elif not seen: warnings.warn("per_example_gramian: a parameter is used outside its own module (a tied output layer, an embedding "
+                                         "that a dropout wrapper applies), which torchjd's engine does not see: its Gramian misses that part of the "
+                                         f"gradients. engine='jacobian' is exact, at {B} x the parameters' count floats (more than JACOBIAN_FLOATS here)", stacklevel=3)
+        if engine == 'jacobian': return _jacobian_gramian(model, mods, xb, yb, loss_func, after_pred)
         batched = _batched_ok(mods) and not (train and _has_norm([model]))   # a norm layer in training mode ties the examples together
         eng = _engine(mods, batched=batched)
         try:

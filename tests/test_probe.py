@@ -504,3 +504,12 @@ def test_a_parameter_used_outside_its_module_leaves_the_gramian_to_torchjd():
     assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss()), J @ J.T) < 1e-5
     with pytest.raises(ValueError, match="engine='hooks'"): per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks')
     assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss(), modules=[model.lin]) is not None   # the linear layer alone is seen whole
+
+def test_a_jacobian_too_large_for_auto_leaves_torchjds_gramian_with_a_warning(monkeypatch):
+    import loss_filters.geometry as G
+    torch.manual_seed(0)
+    model, x, y = _Tied(), torch.randint(0, 10, (12, 5)), torch.randint(0, 10, (12,))
+    monkeypatch.setattr(G, 'JACOBIAN_FLOATS', 12 * 100)   # fewer floats than 12 examples' gradients
+    with pytest.warns(UserWarning, match="used outside its own module.*engine='jacobian' is exact"):
+        G_auto = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss())
+    assert torch.allclose(G_auto, per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='torchjd'))
