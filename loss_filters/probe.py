@@ -228,7 +228,7 @@ class GradientProbeCallback(Callback):
         return torch.stack(cols, 1)
 
     def _finish(self, unit:dict|None, info:dict|None=None):
-        "The sketch's statistics and the record of its step, with the derivatives along `unit` when given: `(record, derivatives)` where it waited for the step, else the record"
+        "The sketch's statistics and the record of its step, with the derivatives along `unit` when given: the derivatives where the statistics waited for the step (the record then in `_start`), else the record"
         waited = info is None
         if waited: info = self._start[1]
         Q, diag, along = info['sk'].stats(info['W'], unit)
