@@ -495,13 +495,14 @@ class _Tied(nn.Module):
     def __init__(self): super().__init__(); self.emb, self.lin = nn.Embedding(10, 6), nn.Linear(6, 6)
     def forward(self, x): return torch.tanh(self.lin(self.emb(x).mean(1))) @ self.emb.weight.T
 
-def test_a_parameter_used_outside_its_module_leaves_the_gramian_to_torchjd():
-    "The factors see a parameter through its own module's calls only: another use of it would drop part of its gradient, so the hooked path refuses and `auto` takes torchjd's exact Gramian"
+def test_a_parameter_used_outside_its_module_takes_the_whole_jacobian():
+    "The factors and torchjd's engine see a parameter through its own module's calls only: another use of it drops part of its gradient, so the hooked path refuses and `auto` forms the losses' whole Jacobian"
     torch.manual_seed(0)
     model, x, y = _Tied(), torch.randint(0, 10, (12, 5)), torch.randint(0, 10, (12,))
     assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()) is None
     J = brute_jacobian(model, x, y, list(model.parameters()))
     assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss()), J @ J.T) < 1e-5
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='torchjd'), J @ J.T) > 1e-2   # what torchjd's engine misses
     with pytest.raises(ValueError, match="engine='hooks'"): per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks')
     assert example_gradients(model, (x,), (y,), nn.CrossEntropyLoss(), modules=[model.lin]) is not None   # the linear layer alone is seen whole
 
