@@ -17,7 +17,7 @@ from .geometry import per_example_gramian
 from .probe import GradientProbeCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
-from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter
+from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter, EpochClock
 from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
@@ -147,35 +147,26 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
 
-class _TrainClock(Callback):
-    "The seconds a fit spends in its training phases, and its training steps"
-    order = -100
-    def before_fit(self): self.secs, self.steps = 0., 0
-    def before_train(self): sync_device(); self.t0 = time.perf_counter()
-    def after_train(self): sync_device(); self.secs += time.perf_counter() - self.t0
-    def after_step(self): self.steps += 1
-
 def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
-    "`(clock, learn)`: a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any), its training phases timed"
+    "`(training seconds, training steps, learn)` of a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any)"
     set_seed(seed)
-    learn, clock = bench_learner(dls, model), _TrainClock()
+    learn, clock = bench_learner(dls, model), EpochClock()
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')   # the probe's own cost warning: this is where it is measured
         learn.fit_one_cycle(epochs, 3e-3, cbs=[clock] + ([probe] if probe is not None else []))
-    return clock, learn
+    return clock.train_s, learn.train_iter, learn
 
 def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0, repeats:int=3) -> dict:
     "The gradient probe's cost on the bench `model`: medians over `repeats` fits with the probe at `every` of ms a probe, ms a step of the same fit (its training time without the probes, per step: the two measured together, through the machine's drifts), their ratio, and the probes' share of the fit's training time; each beside a plain fit (run first, then second, in turn), whose step shows whether the probe slows the steps around it"
     runs = []
     for i in range(repeats):
         probe = GradientProbeCallback(every=every)
-        fits = [None, probe] if i % 2 == 0 else [probe, None]
-        (a, learn_a), (b, learn_b) = [_clocked_fit(dls, model, seed, epochs, f) for f in fits]
-        (plain_clock, _), (clock, learn) = ((a, learn_a), (b, learn_b)) if i % 2 == 0 else ((b, learn_b), (a, learn_a))
+        fits = {f is probe: _clocked_fit(dls, model, seed, epochs, f) for f in ((None, probe) if i % 2 == 0 else (probe, None))}
+        (plain_s, plain_steps, _), (secs, steps, learn) = fits[False], fits[True]
         n = max(len(probe.stats), 1)
-        per, step = probe.seconds / n, (clock.secs - probe.seconds) / clock.steps
-        runs.append(dict(probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, share=probe.seconds / clock.secs,
-                         plain_step_ms=plain_clock.secs / plain_clock.steps * 1e3, probes=len(probe.stats), steps=clock.steps,
+        per, step = probe.seconds / n, (secs - probe.seconds) / steps
+        runs.append(dict(probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, share=probe.seconds / secs,
+                         plain_step_ms=plain_s / plain_steps * 1e3, probes=len(probe.stats), steps=steps,
                          **{f'{k}_ms': s / n * 1e3 for k, s in probe.part_seconds.items()}))   # per probe: its pass and statistics, α's start, α's end
     med = lambda k: statistics.median(r[k] for r in runs)
     b = dls.train.one_batch()

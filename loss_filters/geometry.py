@@ -287,7 +287,8 @@ class GradientSketch:
         return sum(l.along(direction) for l in self.layers)
 
 def _used_elsewhere(losses:Tensor, calls:dict) -> bool:
-    "Whether a parameter reaches the losses other than through its own module's calls (`F.linear(h, emb.weight)` in another module's forward), which engines that see parameters through their modules miss: the autograd graph's edges into each parameter against `calls`, `{id(parameter): its module's calls}`"
+    "Whether a trainable parameter of the modules in `calls` (`{module: its calls in the pass}`) reaches the losses other than through its own module's calls (`F.linear(h, emb.weight)` in another module's forward), which engines that see parameters through their modules miss: the autograd graph's edges into each parameter against its module's calls"
+    calls = {id(p): n for m, n in calls.items() for p in m.parameters(recurse=False) if p.requires_grad}
     uses, seen, todo = {}, set(), [losses.grad_fn]
     while todo:
         fn = todo.pop()
@@ -307,8 +308,7 @@ def _sketch(model:nn.Module, owners:list, xb:tuple, yb:tuple, loss_func, after_p
     finally:
         for h in hooks: h.remove()
     used = [t for t in taps if t.outs]
-    calls = {id(p): len(t.outs) for t in taps for p in t.mod.parameters(recurse=False) if p.requires_grad}
-    if not all(t.intact() for t in used) or _used_elsewhere(losses, calls): return None
+    if not all(t.intact() for t in used) or _used_elsewhere(losses, {t.mod: len(t.outs) for t in taps}): return None
     grads = iter(torch.autograd.grad(losses.sum(), [o for t in used for o in t.outs], allow_unused=True))
     for t in used: t.grads = [torch.zeros_like(o) if g is None else g for o, g in zip(t.outs, grads)]
     names = {id(p): k for k, p in model.named_parameters()}
@@ -355,7 +355,7 @@ def _seen_by_modules(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, 
     try: losses = _example_losses(model, xb, yb, loss_func, after_pred)
     finally:
         for h in hooks: h.remove()
-    return not _used_elsewhere(losses, {id(p): n[m] for m in owners for p in m.parameters(recurse=False) if p.requires_grad}), len(losses)
+    return not _used_elsewhere(losses, n), len(losses)
 
 def _jacobian_gramian(model:nn.Module, mods:list, xb:tuple, yb:tuple, loss_func, after_pred=None) -> tuple:
     "`(G, losses)` from the losses' whole Jacobian over the parameters of `mods` (`torch.func.jacrev`, `B x P` floats): exact for any model, the slowest way"

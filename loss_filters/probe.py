@@ -145,7 +145,8 @@ class GradientProbeCallback(Callback):
 
     def _no_alpha(self, why:str):
         "No α for the probed step: its statistics, if they waited for the step, taken now without its direction"
-        if self._start is not None and self._start[-1] is None: self._timed('gramian', self._finish, None)   # statistics that waited for a step
+        if self._start is not None and self._start[-1] is None:   # statistics that waited for a step
+            self._start = (*self._start[:-1], self._timed('gramian', self._finish, self._start[1])[0])
         if self._start is not None: self._start[-1]['alpha_note'] = why
         self._start = None
 
@@ -211,7 +212,7 @@ class GradientProbeCallback(Callback):
             G, losses = self._untouched(_gramian_without_hooks, learn.model, xb, yb, learn.loss_func, **kw)   # torchjd's, or the whole Jacobian
             G = G.double().cpu()
             rec = self._record(info, W.T @ G @ W, G.diagonal(), losses.cpu())
-        else: rec = self._finish(None, info)
+        else: rec, _ = self._finish(info)
         if self.alpha: self._start = (self._full, None, B, before, rec)   # α's start: a pass of its own over the whole batch
 
     def _columns(self, u:Tensor, B:int) -> Tensor:
@@ -227,15 +228,10 @@ class GradientProbeCallback(Callback):
             cols.append(r)
         return torch.stack(cols, 1)
 
-    def _finish(self, unit:dict|None, info:dict|None=None):
-        "The sketch's statistics and the record of its step, with the derivatives along `unit` when given: the derivatives where the statistics waited for the step (the record then in `_start`), else the record"
-        waited = info is None
-        if waited: info = self._start[1]
+    def _finish(self, info:dict, unit:dict|None=None) -> tuple:
+        "`(record, derivatives)`: the sketch's statistics and the record of its step, with the derivatives along `unit` when given (else None)"
         Q, diag, along = info['sk'].stats(info['W'], unit)
-        rec = self._record(info, Q.double().cpu(), diag.double().cpu(), info['sk'].losses.cpu())
-        if not waited: return rec
-        self._start = (*self._start[:-1], rec)
-        return along
+        return self._record(info, Q.double().cpu(), diag.double().cpu(), info['sk'].losses.cpu()), along
 
     def _record(self, info:dict, Q:Tensor, diag:Tensor, losses:Tensor) -> dict:
         "What the statistics say of the step against the batch and against chance, appended to `stats`"
@@ -275,8 +271,8 @@ class GradientProbeCallback(Callback):
         "The probed step's direction, then its start on the whole batch: the losses and their derivatives along it, from the formed gradients of the statistics that waited for it, else from a pass of their own"
         (xb, yb), info, B, before, rec = self._start
         t, unit = self._timed('alpha_start', self._direction, before)
-        along = self._timed('gramian', self._finish, unit) if rec is None else None
-        rec, self._start = self._start[-1], None
+        rec, along = self._timed('gramian', self._finish, info, unit) if rec is None else (rec, None)
+        self._start = None
         rec['step_size'] = t
         if unit is None: rec['alpha'], rec['alpha_epoch'] = -1., self.epoch; return
         self._unit = unit
