@@ -4,7 +4,7 @@
 
 # %% ../nbs/00c_geometry.ipynb #9cec37d1
 from __future__ import annotations
-import warnings
+import warnings, weakref
 from contextlib import contextmanager
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -31,10 +31,14 @@ class _EvalNorm(nn.Module):
     "A BatchNorm layer as eval mode computes it, per example from its running statistics, with the layer's own weight and bias"
     def __init__(self, bn:nn.Module):
         super().__init__()
-        self.weight, self.bias, self.stats = bn.weight, bn.bias, (bn.running_mean, bn.running_var, bn.eps)
+        self.weight, self.bias, self.stats, self.of = bn.weight, bn.bias, (bn.running_mean, bn.running_var, bn.eps), [bn]   # `of`: the layer (in a list: not a submodule)
     def forward(self, x):
+        "Eval mode's normalisation folded into one scale and one shift per channel: `x·s + t` (a third less time than `F.batch_norm`'s eval kernel and its backward on a CPU)"
         mean, var, eps = self.stats
-        return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., eps)   # eval mode's normalisation, per example
+        s = (var + eps).rsqrt() if self.weight is None else self.weight * (var + eps).rsqrt()
+        t = -mean * s if self.bias is None else self.bias - mean * s
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        return x * s.view(shape) + t.view(shape)
 
 @contextmanager
 def _measurable(model:nn.Module, train:bool):
@@ -76,14 +80,25 @@ def _example_losses(forward, xb:tuple, yb:tuple, loss_func, after_pred=None) -> 
     return per_sample_loss(loss_func, plain(pred), *plain(tuple(yb)))
 
 # %% ../nbs/00c_geometry.ipynb #e49482a6
+_CHANGED = weakref.WeakKeyDictionary()   # module -> whether an in-place op changed its output in its last pass
+
 class _Tap:
     "What the forward passes through one module leave for its per-example gradients: inputs, outputs, and the outputs' gradients once known"
-    def __init__(self, mod:nn.Module): self.mod, self.ins, self.outs, self.versions, self.grads = mod, [], [], [], None
+    def __init__(self, mod:nn.Module):
+        self.mod, self.ins, self.outs, self.versions, self.grads, self.went = mod, [], [], [], None, []
+        self.key = mod.of[0] if isinstance(mod, _EvalNorm) else mod
+        self.copy = _CHANGED.get(self.key, True)   # a module not seen yet, or one whose output an in-place op changed: its output is copied
     def __call__(self, mod, args, out):
         x = args[0]
         self.ins.append(x.detach()); self.versions.append(x._version); self.outs.append(out)
-        return out.clone()   # an in-place op after the module (`ReLU(inplace=True)`) changes the copy, not the output we take gradients at
+        went = out.clone() if self.copy else out   # an in-place op after the module (`ReLU(inplace=True)`) changes the copy, not the output we take gradients at
+        self.went.append((went, went._version))
+        return went
     def intact(self) -> bool: return all(x._version == v for x, v in zip(self.ins, self.versions))
+    def learn(self) -> bool:
+        "Remember whether an in-place op changed what went on from the module; False where it changed an output taken without a copy"
+        _CHANGED[self.key] = changed = any(t._version != v for t, v in self.went)
+        return self.copy or not changed
 
 def _cat(ts:list, dim:int=1) -> Tensor: return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
 
@@ -141,10 +156,10 @@ def _norm_rows(m:nn.Module, x:Tensor, g:Tensor, own:dict) -> dict:
         if 'weight' in own: res['weight'] = _rows_of(g * _ln_normed(m, x), shape)
         if 'bias' in own: res['bias'] = _rows_of(g, shape)
         return res
-    mean, var, eps = m.stats   # a BatchNorm in eval mode, per channel: `x̂ = (x - mean)·rstd`, so the scale's row is `rstd·Σ g·(x - mean)`, one temporary
-    shape = (1, -1) + (1,) * (x.ndim - 2)
-    if 'weight' in own: res['weight'] = _rows_of((x.float() - mean.view(shape).float()).mul_(g)) * (var.float() + eps).rsqrt()
-    if 'bias' in own: res['bias'] = _rows_of(g)
+    mean, var, eps = m.stats   # a BatchNorm in eval mode, per channel: `x̂ = (x - mean)·rstd`, so the scale's row is `rstd·(Σ g·x - mean·Σ g)`, one pass over the feature map and the shift's row reused
+    gs = _rows_of(g)
+    if 'weight' in own: res['weight'] = (_rows_of(x.float() * g) - mean.float() * gs) * (var.float() + eps).rsqrt()
+    if 'bias' in own: res['bias'] = gs
     return res
 
 class _Layer:
@@ -308,6 +323,7 @@ def _sketch(model:nn.Module, owners:list, xb:tuple, yb:tuple, loss_func, after_p
     finally:
         for h in hooks: h.remove()
     used = [t for t in taps if t.outs]
+    if not all([t.learn() for t in used]): return _sketch(model, owners, xb, yb, loss_func, after_pred)   # again, copying the outputs that an in-place op changed
     if not all(t.intact() for t in used) or _used_elsewhere(losses, {t.mod: len(t.outs) for t in taps}): return None
     grads = iter(torch.autograd.grad(losses.sum(), [o for t in used for o in t.outs], allow_unused=True))
     for t in used: t.grads = [torch.zeros_like(o) if g is None else g for o, g in zip(t.outs, grads)]

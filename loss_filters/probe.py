@@ -236,15 +236,15 @@ class GradientProbeCallback(Callback):
     def _record(self, info:dict, Q:Tensor, diag:Tensor, losses:Tensor) -> dict:
         "What the statistics say of the step against the batch and against chance, appended to `stats`"
         u, B = info['u'], info['B']
-        pooled, k = len(u) != B, Q.shape[0]
-        n = Q.diagonal().clamp_min(0).sqrt()   # the norms of the weighted gradients
-        cos = lambda i: (Q[i, 1] / (n[i] * n[1])).item() if n[i] * n[1] > 0 else 0.
+        pooled, k, q = len(u) != B, Q.shape[0], Q.tolist()
+        n = [math.sqrt(max(q[i][i], 0.)) for i in range(k)]   # the norms of the weighted gradients
+        cos = lambda i: q[i][1] / (n[i] * n[1]) if n[i] * n[1] > 0 else 0.
         rc, nan = torch.tensor([cos(i) for i in range(2, k)], dtype=torch.float64), float('nan')
-        rn = [(n[i] / n[1]).item() for i in range(2, k)]
+        rn = [n[i] / n[1] if n[1] > 0 else nan for i in range(2, k)]
         self.stats.append(dict(iter=info['iter'], epoch=info['epoch'], bs=B, trained=int((u[:B] > 0).sum()) if not pooled else len(u) - B,
                                grad_cos=cos(0), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
                                rand_cos_max=rc.max().item() if len(rc) else nan, rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
-                               norm_ratio=(n[0] / n[1]).item(), rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
+                               norm_ratio=n[0] / n[1] if n[1] > 0 else nan, rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
                                rho=spearman(losses[:B], diag[:B].clamp_min(0).sqrt()), alpha=None, alpha_note=None, lr=info['lr']))
         return self.stats[-1]
 
@@ -264,8 +264,9 @@ class GradientProbeCallback(Callback):
         "The step's length `t` and its unit direction per parameter name (None where it did not move)"
         named = dict(self.learn.model.named_parameters())
         d = {k: named[k].detach() - p for k, p in before.items()}
-        t = math.sqrt(sum(float(x.double().pow(2).sum()) for x in d.values()))
-        return t, ({k: x / t for k, x in d.items()} if t > 0 else None)
+        dev = next(iter(d.values())).device
+        t = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64).to(dev) for x in d.values()])).item()   # one read of the device
+        return t, ({k: x.div_(t) for k, x in d.items()} if t > 0 else None)
 
     def _start_alpha(self):
         "The probed step's direction, then its start on the whole batch: the losses and their derivatives along it, from the formed gradients of the statistics that waited for it, else from a pass of their own"

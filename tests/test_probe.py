@@ -104,6 +104,43 @@ def test_the_bench_cnns_sketch_matches_torchjd_and_forward_mode(digits):
     Q2, diag2, dd = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss()).stats(W, d)   # α's start: the derivatives with the statistics
     assert _rel(dd, ref[1]) < 1e-5 and _rel(Q2, Q) < 1e-6 and _rel(diag2, diag) < 1e-6
 
+class _Sometimes(nn.Module):
+    "A ReLU after the first layer, in place only when `inplace` is set: the layer's output changed in place in some passes and not in others"
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head, self.inplace = nn.Linear(6, 8), nn.Linear(8, 3), False
+    def forward(self, x):
+        h = self.lin(x)
+        return self.head(h.relu_() if self.inplace else h.relu())
+
+def test_an_output_changed_in_place_is_taken_from_a_copy_even_when_it_was_not_before():
+    "A layer whose output no in-place op changed is no longer copied; when one does change it, the pass is run again with a copy, and the Gramian stays exact"
+    from loss_filters.geometry import _CHANGED
+    torch.manual_seed(0)
+    model, x, y = _Sometimes(), torch.randn(12, 6), torch.randint(0, 3, (12,))
+    J = brute_jacobian(model, x, y, list(model.parameters()))
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks'), J @ J.T) < 1e-5
+    assert _CHANGED[model.lin] is False   # copied while unknown, not changed: taken as it is next time
+    model.inplace = True
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks'), J @ J.T) < 1e-5
+    assert _CHANGED[model.lin] is True
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks'), J @ J.T) < 1e-5   # copied from the start now
+
+@pytest.mark.parametrize('affine', [True, False])
+def test_an_eval_batchnorm_as_scale_and_shift_equals_batch_norm_and_brute_force(affine):
+    from loss_filters.geometry import _EvalNorm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, affine=affine), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    model(torch.randn(64, 6) * 3 + 2)   # running statistics away from their defaults
+    bn, x = model[1], torch.randn(12, 8) * 3 + 2
+    bn.eval()
+    assert torch.allclose(_EvalNorm(bn)(x), bn(x), atol=1e-5)
+    if affine:
+        with torch.no_grad(): bn.weight.uniform_(.5, 2); bn.bias.normal_()
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    J = brute_jacobian(model, x, y, list(model.parameters()))
+    assert _rel(per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='hooks'), J @ J.T) < 1e-5
+
 def test_layers_without_a_rule_go_to_torchjd_or_are_refused():
     class Rnn(nn.Module):
         def __init__(self): super().__init__(); self.emb, self.rnn, self.head = nn.Embedding(12, 6), nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 3)
