@@ -217,7 +217,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
          score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
-         probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one epoch), to probe_cost.json
+         probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one-epoch fits, three or `repeats`), to probe_cost.json
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
@@ -241,7 +241,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
     if augment: dls.train.after_batch = CropFlip(pad=2)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    if probe_cost: return _probe_cost(dls, data_name, model, seed, out)
+    if probe_cost: return _probe_cost(dls, data_name, model, seed, out, max(repeats, 3))
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
           f"{' (crop and flip)' if augment else ''}, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
@@ -286,10 +286,10 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
     return res
 
-def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path) -> dict:
-    "`lf_bench --probe_cost`: the probe's cost, printed and written to probe_cost.json"
+def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path, repeats:int=3) -> dict:
+    "`lf_bench --probe_cost`: the probe's cost over `repeats` fits, printed and written to probe_cost.json"
     run_fit(partial(bench_learner, dls, model), 'baseline', epochs=1, lr=3e-3, seed=seed)   # warm-up, not reported
-    r = probe_cost(dls, model, seed=seed)
+    r = probe_cost(dls, model, seed=seed, repeats=repeats)
     r.update(data=data_name, machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
                                           cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None))
     (out / 'probe_cost.json').write_text(json.dumps(r, indent=1))

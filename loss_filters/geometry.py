@@ -286,11 +286,14 @@ class GradientSketch:
         return sum(sum(r @ r.T for r in l.rows()) + l.factored() for l in self.layers)
     def stats(self, W:Tensor|None=None, direction:dict|None=None) -> tuple:
         "`(WᵀGW, diag G, ∇ℓᵢ·d)` for weights `W` (`[B, k]`, a column per weighted sum of the examples' gradients) and a direction per parameter name, in one pass and without forming `G`: all a probe needs (the derivatives None without a direction)"
-        W = None if W is None else W.float().to(self.losses.device)
+        inv = None
+        if W is not None:   # each distinct column once (a step over the whole batch: its weights, the batch's and random choices of its size are one column)
+            W, inv = torch.unique(W.float().to(self.losses.device), dim=1, return_inverse=True)
         size = max(l.formed_size(32) for l in self.layers)
         buf = torch.empty(size, device=self.losses.device) if size else None   # one buffer for every chunk of every layer: new memory costs its paging in
         qs, ns, ds = zip(*(l.stats(W, direction, buf) for l in self.layers))
-        return sum(qs), sum(ns), None if direction is None else sum(ds)
+        q = sum(qs)
+        return q if inv is None else q[inv][:, inv], sum(ns), None if direction is None else sum(ds)
     def quad(self, W:Tensor) -> Tensor:
         "`WᵀGW` (`[k, k]`): the inner products of the weighted sums of the examples' gradients that `W`'s columns give"
         return self.stats(W)[0]

@@ -50,6 +50,7 @@ def test_the_hooked_path_matches_brute_force_on_every_layer_it_takes():
     sk = example_gradients(model, (x,), (y,), nn.CrossEntropyLoss())
     assert sk is not None and _rel(sk.gramian(), J @ J.T) < 1e-5
     W = torch.randn(16, 4)
+    W[:, 3] = W[:, 1]   # a column twice (a step over the whole batch gives ten equal ones): taken once, put back in both places
     Q, diag, _ = sk.stats(W)
     assert _rel(Q, W.T @ J @ J.T @ W) < 1e-5 and _rel(diag, (J * J).sum(1)) < 1e-5
     d = {k: torch.randn_like(p) for k, p in model.named_parameters()}
