@@ -19,8 +19,8 @@ from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPrunin
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'Method', 'parse_method', 'lower_is_better', 'metric_sign',
-           'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'run_fit', 'seeded_proxy', 'time_to_target',
-           'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost']
+           'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'seeded_proxy',
+           'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost']
 
 # %% ../nbs/08_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -149,6 +149,11 @@ def _save_diagnostics(cb, path:Path) -> str:
     fig.savefig(path, dpi=100); plt.close(fig)
     return str(path)
 
+def seed_loaders(learn, # a `Learner`, its loaders perhaps shared with other fits
+                 seed:int=0): # the data order's seed
+    "Seed the RNG each of `learn`'s loaders keeps of its own (fastai's, which `set_seed` does not reach and each epoch moves on): fits from the same seed then see the same data order, on loaders made once and shared"
+    for dl in learn.dls.loaders: dl.rng = random.Random(seed)
+
 def run_fit(make_learner, # a function of no arguments that returns a new `Learner`
             spec:str, # the method, e.g. `'baseline'`, `'blf'`, `'sb:keep=.3,epochs=4'`
             epochs:int=5, # epochs of the fit (a method's own `epochs=` overrides it)
@@ -170,7 +175,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     set_seed(seed, reproducible=True)
     learn = make_learner()
     if m.proxy is not None: kw = kw | dict(score_model=seeded_proxy(make_proxy, m.proxy, seed, spec))   # before the loaders' seeds: it may draw a batch
-    for dl in learn.dls.loaders: dl.rng = random.Random(seed)   # fastai loaders keep their own RNG: same data order for every method
+    seed_loaders(learn, seed)   # the same data order for every method
     clock = EpochClock(evals_per_epoch, metric, sign, check)
     learn.add_cbs([clock] + list(cbs or []))
     if cb_cls is not None: learn.add_cb(cb_cls(**kw))

@@ -414,3 +414,17 @@ def test_probe_cost_option(tmp_path):
         assert r['gramian_ms'] + r['alpha_start_ms'] + r['alpha_end_ms'] == pytest.approx(r['probe_ms'])
     for k in ('probe_ms', 'step_ms', 'probe_steps', 'share'): assert saved[k] == pytest.approx(sorted(r[k] for r in saved['runs'])[1])   # the medians
     assert res['data'] == 'digits' and not (tmp_path / 'results.json').exists()   # no comparison ran
+
+def test_seed_loaders_repeats_the_data_order_of_shared_loaders(digits_dls):
+    "Loaders made once and shared by fits: `set_seed` alone leaves each fit another data order (fastai's loaders keep an RNG of their own); `seed_loaders` gives them the same"
+    from fastai.basics import Learner, CrossEntropyLossFlat, set_seed
+    from loss_filters.runs import seed_loaders
+    from conftest import mlp
+    def fit(seed_order):
+        set_seed(0)
+        learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat())
+        if seed_order: seed_loaders(learn, 0)
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+        return torch.cat([p.detach().flatten() for p in learn.model.parameters()])
+    assert not torch.equal(fit(False), fit(False))
+    assert torch.equal(fit(True), fit(True))
