@@ -17,7 +17,7 @@ from .geometry import per_example_gramian
 from .probe import GradientProbeCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
-from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter, EpochClock
+from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter, EpochClock, seed_loaders
 from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
@@ -151,6 +151,7 @@ def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
     "`(training seconds, training steps, learn)` of a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any)"
     set_seed(seed)
     learn, clock = bench_learner(dls, model), EpochClock()
+    seed_loaders(learn, seed)   # the plain fit and the probed one on the same data order
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')   # the probe's own cost warning: this is where it is measured
         learn.fit_one_cycle(epochs, 3e-3, cbs=[clock] + ([probe] if probe is not None else []))

@@ -162,6 +162,8 @@ def _norm_rows(m:nn.Module, x:Tensor, g:Tensor, own:dict) -> dict:
     if 'bias' in own: res['bias'] = gs
     return res
 
+_CHUNK = 32   # examples whose per-example gradients are formed at once: the buffer `GradientSketch.stats` makes holds one chunk of the largest layer
+
 class _Layer:
     "One module's share of the per-example gradients, kept as factors: a linear map's inputs and output gradients, a norm layer's or an embedding's per-example gradients"
     def __init__(self, tap:_Tap, names:dict):
@@ -222,7 +224,7 @@ class _Layer:
         return G
 
     def stats(self, W:Tensor|None, direction:dict|None=None, buf:Tensor|None=None) -> tuple:
-        "`(WᵀG₁W, diag G₁, ∇ℓᵢ·d)` of this module's share `G₁` of `G` (`WᵀG₁W` 0 without `W`, the derivatives 0 without a direction), a linear map's per-example gradients formed a chunk of examples at a time into `buf` (`formed_size(32)` floats) and never kept"
+        "`(WᵀG₁W, diag G₁, ∇ℓᵢ·d)` of this module's share `G₁` of `G` (`WᵀG₁W` 0 without `W`, the derivatives 0 without a direction), a linear map's per-example gradients formed a chunk of examples at a time into `buf` (`formed_size(_CHUNK)` floats) and never kept"
         q, n, along, direction = 0, 0, 0, direction or {}
         sq = lambda r: torch.linalg.vector_norm(r, dim=1) ** 2
         for name, kind, d in self.parts:
@@ -234,11 +236,11 @@ class _Layer:
             if kind != 'lin' or self.ghost(i): continue
             D = _in_order(d[0], d[1][0], direction[name].float()) if name in direction else None
             M, ns, ds = None, [], []
-            for c in range(0, len(d[1][0]), 32):   # a chunk of examples at a time, formed in the cache: all at once costs several times more
-                r = self.formed(i, slice(c, c + 32), buf)
+            for c in range(0, len(d[1][0]), _CHUNK):   # a chunk of examples at a time, formed in the cache: all at once costs several times more
+                r = self.formed(i, slice(c, c + _CHUNK), buf)
                 ns.append(sq(r))
                 if D is not None: ds.append(r @ D)
-                if W is not None: M = W[c:c + 32].T @ r if M is None else M.addmm_(W[c:c + 32].T, r)
+                if W is not None: M = W[c:c + _CHUNK].T @ r if M is None else M.addmm_(W[c:c + _CHUNK].T, r)
             n = n + torch.cat(ns)
             if ds: along = along + torch.cat(ds); done.add(i)
             if W is not None: q = q + M @ M.T
@@ -289,7 +291,7 @@ class GradientSketch:
         inv = None
         if W is not None:   # each distinct column once (a step over the whole batch: its weights, the batch's and random choices of its size are one column)
             W, inv = torch.unique(W.float().to(self.losses.device), dim=1, return_inverse=True)
-        size = max(l.formed_size(32) for l in self.layers)
+        size = max(l.formed_size(_CHUNK) for l in self.layers)
         buf = torch.empty(size, device=self.losses.device) if size else None   # one buffer for every chunk of every layer: new memory costs its paging in
         qs, ns, ds = zip(*(l.stats(W, direction, buf) for l in self.layers))
         q = sum(qs)
