@@ -18,8 +18,8 @@ from fastai.data.load import DataLoader
 from .core import *
 
 # %% auto #0
-__all__ = ['unwrapped_loader', 'orders_own_batches', 'LossFilterBase', 'FitColumns', 'LossFilterColumns', 'warn_no_op',
-           'by_keyword']
+__all__ = ['unwrapped_loader', 'orders_own_batches', 'DataRangeHistogram', 'LossFilterBase', 'FitColumns', 'LossFilterColumns',
+           'warn_no_op', 'by_keyword']
 
 # %% ../nbs/00a_base.ipynb #cc9e58d1
 def unwrapped_loader(dl):
@@ -30,6 +30,88 @@ def orders_own_batches(dl) -> bool:
     "Whether the training loader orders its items itself (`SortedDL` sorts its batches by length) instead of fastai's shuffle"
     return type(unwrapped_loader(dl)).get_idxs is not DataLoader.get_idxs
 
+# %% ../nbs/00a_base.ipynb #6f1c0a22
+class DataRangeHistogram(ScoreHistogram):
+    "A `ScoreHistogram` whose log bins follow the data: they span the positive finite scores seen, widened (bins merged in pairs) when one falls outside"
+    finest = 2. ** -7   # the narrowest bin, in decades: 64 of them span half a decade
+    def __init__(self, bins:int=64, # log bins over the data's range
+                 rows:int=512, # rows kept; each covers `stride` iterations, doubled when the rows run out
+                 empty:tuple=(1e-6, 1e2)): # the range before any positive finite score
+        check_int('bins', bins, 2)
+        self.n_bins, self.empty = bins, empty
+        super().__init__(*empty, bins=bins + 2, rows=rows)   # inside, two more bins: scores <= 0 below the log bins, NaN and inf above
+
+    def reset(self):
+        super().reset()
+        lo, hi = (math.log10(v) for v in self.empty)
+        self.seen = False   # whether a positive finite score has set the range
+        self._set_range(lo, (hi - lo) / self.n_bins)
+
+    def _set_range(self, start:float, width:float):
+        "Log bins from `10**start`, each `width` decades wide"
+        self.start, self.width = start, width
+        self.lo, self.hi = 10 ** start, 10 ** (start + self.n_bins * width)
+        self.edges = torch.logspace(math.log10(self.lo), math.log10(self.hi), self.n_bins + 1)   # as `ScoreHistogram(lo, hi)` makes them
+        inner = torch.cat([self.edges.new_zeros(1), self.edges[1:]]).clamp(max=torch.finfo(torch.float32).max)   # <= 0 | log bins | NaN, inf
+        self._inner = inner if self.counts is None else inner.to(self.counts.device)
+
+    def _grid(self, lo:float, hi:float) -> tuple:
+        "`(start, width)` of the narrowest grid, from `width` on (from `finest` before any score), whose bins hold log10 values `lo` to `hi`, centred on them if it can"
+        w = self.width if self.seen else self.finest
+        while True:
+            for s in (math.floor((lo + hi - self.n_bins * w) / 2 / w) * w, math.floor(lo / w) * w):   # on the grid of `w`
+                if s <= lo and hi <= s + self.n_bins * w: return s, w
+            w *= 2
+
+    def _held(self) -> tuple|None:
+        "`(lo, hi)`, log10: the lower edge of the lowest log bin that holds a count and the upper edge of the highest, or None"
+        nz = self.counts[:, 0, 1:-1].sum(0).nonzero() if self.seen and self.counts is not None else []
+        return (self.start + int(nz[0]) * self.width, self.start + (int(nz[-1]) + 1) * self.width) if len(nz) else None
+
+    def _widen(self, lo:float, hi:float):
+        "Make the bins hold the log10 values `lo` to `hi` and the bins that hold counts: each old bin lies inside one new bin, so its counts move exactly"
+        if self.seen and self.start <= lo and hi <= self.start + self.n_bins * self.width: return
+        held = self._held()
+        s, w = self._grid(min(lo, held[0]), max(hi, held[1])) if held else self._grid(lo, hi)
+        if held:   # else the log bins hold nothing: only the two outer bins have counts, and they stay
+            r, off = round(w / self.width), round((self.start - s) / self.width)
+            to = torch.div(off + torch.arange(self.n_bins), r, rounding_mode='floor').clamp(0, self.n_bins - 1)   # an empty old bin may fall outside
+            to = torch.cat([torch.tensor([0]), 1 + to, torch.tensor([self.n_bins + 1])])
+            self.counts = torch.zeros_like(self.counts).index_add_(2, to.to(self.counts.device), self.counts)
+        self._set_range(s, w)
+        self.seen = True
+
+    def add_many(self, scores:Tensor, # the scores of several batches, shape `[n]`
+                 its:Tensor, # the training iteration of each score, shape `[n]`, none below those of earlier calls
+                 kept:Tensor|None=None): # bool mask of the kept examples, shape `[n]`; None when all were kept
+        "Count many scores at once, each in the row of its iteration, after widening the bins to hold them"
+        if not len(scores): return
+        s = scores.detach().float()
+        ok = s.isfinite() & (s > 0)
+        last, lo, hi = torch.stack([its.max().to(s.device, acc_dtype(s)), torch.where(ok, s, math.inf).min().to(acc_dtype(s)),
+                                    torch.where(ok, s, 0.).max().to(acc_dtype(s))]).tolist()   # one wait for the device
+        if lo <= hi: self._widen(math.log10(lo), math.log10(hi) + 1e-6)   # a little room: the top edge rounds in float32
+        if self.counts is None:   # made here, with this class's inner edges
+            self.counts, self._inner = torch.zeros(self.rows, 2, self.bins, dtype=torch.int64, device=s.device), self._inner.to(s.device)
+        super().add_many(s, its, kept)
+
+    def outside(self) -> tuple:
+        "`(scores <= 0, NaN or inf scores)` counted so far: `table` adds them to the lowest and the highest bin"
+        c = super().table()[0][:, 0]
+        return int(c[:, 0].sum()), int(c[:, -1].sum())
+
+    def table(self) -> tuple:
+        "(`counts` of shape `[n_rows, 2, bins]` on the CPU (all, kept), scores <= 0 in the lowest bin and NaN or inf in the highest; first iteration of each row; bin `edges`)"
+        c, its, _ = super().table()
+        c = c.clone()
+        c[..., 1] += c[..., 0]; c[..., -2] += c[..., -1]
+        return c[..., 1:-1], its, self.edges
+
+    def occupied(self) -> tuple|None:
+        "`(lo, hi)`: the lower edge of the lowest bin that holds a score and the upper edge of the highest, or None before any positive score"
+        nz = self.table()[0][:, 0].sum(0).nonzero() if self.seen else []
+        return (float(self.edges[int(nz[0])]), float(self.edges[int(nz[-1]) + 1])) if len(nz) else None
+
 # %% ../nbs/00a_base.ipynb #49d4ac3e
 class LossFilterBase(Callback):
     "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
@@ -38,8 +120,14 @@ class LossFilterBase(Callback):
     def __init__(self, score:str='loss'): # what is ranked: 'loss' or 'grad_norm' (at the model's output)
         self.score = check_score(score)
         self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
+        self.n_fits = 0        # fits that trained: the records hold the last one's
 
-    hist_range,hist_bins,hist_rows = (1e-6, 1e2),64,512 # the `ScoreHistogram` of each fit
+    hist_bins,hist_rows = 64,512 # the `DataRangeHistogram` of each fit: its log bins, its rows of iterations
+    @property
+    def hist_range(self) -> tuple:
+        "`(lo, hi)` of the score histogram's bins: the range of the last fit's scores"
+        h = getattr(self, 'hist', None) or DataRangeHistogram(self.hist_bins, 2)
+        return h.lo, h.hi
     _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
     same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
     pooled_step = False # whether this training step trains on a pooled batch (`fill_batch`) instead of rows of the loader's batch
@@ -108,16 +196,28 @@ class LossFilterBase(Callback):
         self.stats, self.epoch_stats, self._warned = L(), L(), False
         self.fit_trained = self.fit_scored = 0
         self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
-        self.hist = ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+        self.hist = DataRangeHistogram(self.hist_bins, self.hist_rows)
+        self.n_fits = self.__dict__.get('n_fits', 0) + 1
 
     def after_fit(self): self._restore()
 
     def _idle_reason(self) -> str|None:
         "Why the filter will not act in this fit, with the setting to change; None when it will act"
 
+    def _no_batch(self) -> str|None:
+        "Why the training loader yields no batch (fewer items than `bs` under `drop_last`); None when it has one"
+        dl = self.learn.dls.train
+        try:
+            if len(dl): return
+        except TypeError: return   # a loader of unknown length
+        inner = unwrapped_loader(dl)
+        n, bs, drop = getattr(inner, 'n', '?'), getattr(inner, 'bs', '?'), getattr(inner, 'drop_last', False)
+        return (f"its training loader has no batch ({n} item(s) at `bs={bs}`{' with `drop_last=True`' if drop else ''}), so the fit "
+                f"trains nothing; {'pass `drop_last=False` or ' if drop else ''}lower `bs`")
+
     def _warn_if_idle(self):
-        "Say so, before the fit's first batch, when the fit is too short for the filter to act"
-        why = self._idle_reason()
+        "Say so, before the fit's first batch, when the training loader has no batch or the fit is too short for the filter to act"
+        why = self._no_batch() or self._idle_reason()
         if why: warnings.warn(f"{type(self).__name__} will not act in this fit of {self.learn.n_epoch} epoch(s): {why}", stacklevel=2)
 
     def before_train(self):
@@ -178,10 +278,26 @@ class LossFilterBase(Callback):
                                      loss_perc=min(1., float(self._loss_kept) / scored) if scored > 0 else 1.,
                                      full_loss=float(self._loss_sum) / self._n_loss if self._n_loss else math.nan,
                                      iter0=self.iter0, n_iter=self.train_iter - self.iter0))
+        self._note_full_loss()
         n_bad = int(self._n_bad)
         if n_bad and not self._warned:
             self._warned = True
             warnings.warn(f"{type(self).__name__}: {n_bad} example(s) had a NaN or infinite {self.score} this epoch; they were kept as the hardest")
+
+    def _full_loss_gap(self) -> str|None:
+        "Why `full_train_loss` leaves the filtered batches out (NaN in an epoch that filtered every batch); None when it covers them"
+        if getattr(self, 'score_model', None) is not None:
+            return "a proxy (`score_model=`) scores the filtered batches, and the proxy's losses are not the model's"
+        if getattr(self, 'scale_factor', 1) != 1:
+            return f"the scoring pass sees inputs downsampled by `scale_factor={self.scale_factor}`: its losses are not the model's on the inputs it trains on"
+
+    def _note_full_loss(self):
+        "Say why, once per filter, at the first epoch whose `full_train_loss` is NaN because the scoring pass is not the model's"
+        why = self._full_loss_gap()
+        if why is None or not math.isnan(self.epoch_stats[-1]['full_loss']) or self.__dict__.get('_noted_full_loss'): return
+        self._noted_full_loss = True
+        warnings.warn(f"{type(self).__name__}: `full_train_loss` is NaN from epoch {self.epoch}: {why}, so no model loss covers the whole "
+                      "batch; compare `valid_loss` with `train_loss` instead (the loss of the kept examples)", stacklevel=2)
 
     def _samp_perc(self): return self.epoch_stats[-1]['samp_perc'] if self.epoch_stats else 1.
 
@@ -217,18 +333,24 @@ class LossFilterBase(Callback):
         stats = L(getattr(self, 'stats', []))
         return self._per_batch(self._axes(ax), [b['kept'] / b['bs'] for b in stats], 'share of samples kept', 'Samples kept per batch')
 
+    def score_name(self) -> str:
+        "What the records hold per example: the `score`, the proxy's under `score_model`, of downsampled inputs under `scale_factor`"
+        name = f"proxy's {self.score}" if getattr(self, 'score_model', None) is not None else self.score
+        return name + (f" at scale_factor={self.scale_factor}" if getattr(self, 'scale_factor', 1) != 1 else '')
+
     def plot_loss_share(self, ax=None):
         "Share of each filtered batch's summed score (the loss, or the gradient norm) carried by the kept examples"
-        stats = L(getattr(self, 'stats', []))
-        return self._per_batch(self._axes(ax), [b['loss_share'] for b in stats], f'share of the {self.score} kept', f'Kept {self.score} share per batch')
+        stats, name = L(getattr(self, 'stats', [])), self.score_name()
+        return self._per_batch(self._axes(ax), [b['loss_share'] for b in stats], f'share of the {name} kept', f'Kept {name} share per batch')
 
     def plot_score_hist(self, axs=None):
-        "Heat maps of the per-example score histogram over training: every scored example, and the ones cut"
+        "Heat maps of the per-example score histogram over training: every scored example, and the ones cut; the y axis spans the fit's scores"
         from matplotlib.colors import LogNorm
         import matplotlib.pyplot as plt
         if axs is None: _, axs = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-        hist = getattr(self, 'hist', None) or ScoreHistogram(*self.hist_range, bins=self.hist_bins, rows=self.hist_rows)
+        hist = getattr(self, 'hist', None) or DataRangeHistogram(self.hist_bins, self.hist_rows)
         counts, its, edges = hist.table()
+        name, span = self.score_name(), hist.occupied()
         total = counts[:, 0].sum(1, keepdim=True).clamp(min=1).float()
         xs = torch.cat([its, its[-1:] + hist.stride]) if len(its) else torch.tensor([0., 1.])
         mesh = None
@@ -237,11 +359,25 @@ class LossFilterBase(Callback):
             share[share == 0] = float('nan')
             mesh = ax.pcolormesh(xs.numpy(), edges.numpy(), share, norm=LogNorm(1e-4, 1), cmap='viridis', shading='flat')
             self._epoch_lines(ax)
-            ax.set(yscale='log', xlabel='training iteration', title=f'{self.score}: {title}')
+            ax.set(yscale='log', xlabel='training iteration', title=f'{name}: {title}')
+            if span: ax.set_ylim(*span)
             self._note_if_empty(ax, not len(its))
-        axs[0].set_ylabel(f'per-example {self.score}')
+        axs[0].set_ylabel(f'per-example {name}' + self._outside_note(hist))
         axs[0].figure.colorbar(mesh, ax=list(axs), label='share of the iteration\'s examples')
         return axs[0].figure
+
+    @staticmethod
+    def _outside_note(hist) -> str:
+        "A line under a histogram's axis label: how many scores were <= 0 or NaN/inf, counted in the end bins"
+        low, bad = hist.outside()
+        parts = ([f'{low} at <= 0 in the lowest bin'] if low else []) + ([f'{bad} NaN/inf in the highest'] if bad else [])
+        return f"\n({', '.join(parts)})" if parts else ''
+
+    def diagnostics_title(self) -> str:
+        "The diagnostics' title: the filter, and what its records hold (the last fit only, a proxy's losses)"
+        notes = [f"last fit only (of {self.n_fits})"] if self.__dict__.get('n_fits', 0) > 1 else []
+        if getattr(self, 'score_model', None) is not None: notes.append("losses are the proxy's, so `full_train_loss` is NaN in filtered epochs")
+        return type(self).__name__ + (f": {'; '.join(notes)}" if notes else '')
 
     def probe(self):
         "The Learner's `GradientProbeCallback` when it has probed batches (its panels join the diagnostics), else None"
@@ -258,7 +394,7 @@ class LossFilterBase(Callback):
         self.plot_kept(a); self.plot_loss_share(b)
         self.plot_score_hist(rows[1].subplots(1, 2, sharey=True))
         if probe: probe.plot_probe(rows[2].subplots(1, 4))
-        fig.suptitle(type(self).__name__)
+        fig.suptitle(self.diagnostics_title())
         return fig
 
 # %% ../nbs/00a_base.ipynb #b76897f0

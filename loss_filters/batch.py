@@ -10,7 +10,8 @@ from torch import nn, Tensor
 from fastcore.basics import store_attr, patch, noop
 from fastcore.meta import delegates
 from fastcore.foundation import L
-from fastai.torch_core import find_bs
+from fastai.torch_core import find_bs, norm_bias_params
+from fastai.optimizer import OptimWrapper
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.mixup import MixHandler
 from fastai.callback.fp16 import MixedPrecision
@@ -23,9 +24,9 @@ from .proxy import ProxyScorer, check_score_model
 
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback', 'BatchLossFilterCallback',
-           'TopLossCallback', 'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns', 'warn_no_op',
-           'unwrapped_loader', 'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
+__all__ = ['PRECISIONS', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback',
+           'BatchLossFilterCallback', 'TopLossCallback', 'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns',
+           'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
 
 # %% ../nbs/01_batch.ipynb #aa058af1
 # the shared base's names, and the step's functions now in `core`, keep their old import path, `loss_filters.batch`
@@ -42,6 +43,46 @@ def _check_kwargs(cls, kwargs:dict):
 
 # %% ../nbs/01_batch.ipynb #7c50799a
 PRECISIONS = dict(full=None, bf16=torch.bfloat16, fp16=torch.float16)   # `score_precision` -> autocast dtype
+
+def _like(opt:torch.optim.Optimizer, # a built torch optimizer
+          params:list) -> torch.optim.Optimizer: # the parameters of the new one
+    "A new torch optimizer of `opt`'s class on `params`, with the settings `opt` was made with (those its constructor takes)"
+    sig = inspect.signature(type(opt)).parameters
+    kw = opt.defaults if any(p.kind is p.VAR_KEYWORD for p in sig.values()) else {k: v for k, v in opt.defaults.items() if k in sig}
+    return type(opt)(params, **kw)
+
+def proxy_opt(learn:Learner, # the Learner whose `opt_func`, `lr`, `wd_bn_bias` and `train_bn` the proxy's optimizer follows
+              model:nn.Module): # the proxy
+    "An optimizer for `model` made as `Learner.create_opt` makes the Learner's; an `OptimWrapper` given built: a new one of its torch class and settings"
+    params, f = [p for p in model.parameters() if p.requires_grad], learn.opt_func
+    if isinstance(f, OptimWrapper): opt = OptimWrapper(opt=_like(f.opt, params), hp_map=f.fwd_map)   # fastai uses it as it is: it holds the model's parameters
+    elif callable(f): opt = f(params, lr=learn.lr)
+    else: raise TypeError(f"the Learner's `opt_func` must be an optimizer function (such as `Adam`) or an `OptimWrapper`, got {type(f).__name__}")
+    if not learn.wd_bn_bias:
+        for p in norm_bias_params(model, True): opt.state[p]['do_wd'] = False
+    if learn.train_bn:
+        for p in norm_bias_params(model, False): opt.state[p]['force_train'] = True
+    return opt
+
+def follow_hypers(opt, # the proxy's fastai optimizer (`Optimizer` or `OptimWrapper`)
+                  hypers:dict): # the values to take: a group of the Learner's `opt.hypers`
+    "Set each hyper-parameter `opt` shares with `hypers` to its value there, by `set_hyper` (an `OptimWrapper`'s `hypers` is a fresh copy at each read)"
+    own = opt.hypers[0]
+    for k, v in hypers.items():
+        if k in own and own[k] is not v: opt.set_hyper(k, [v])   # a list: `set_hyper` would take a numpy scalar for a list
+
+def _run_seed() -> int:
+    "A seed for the proxy's random streams, drawn from torch's global CPU stream and leaving it where it was: the run's seed makes the proxy's"
+    with torch.random.fork_rng(devices=[]): return int(torch.randint(0, 2**31 - 1, ()))
+
+def _pool_refusal(dl) -> str|None:
+    "Why `fill_batch` cannot pool the batches of the loader `dl`: one that pads each batch to its own length, whose examples would not join; else None"
+    dl = unwrapped_loader(dl)
+    if any(c.__name__ == 'SortedDL' for c in type(dl).__mro__):
+        return "it pads each batch to its own longest text, longest batches first, so the examples of two batches do not join"
+    names = [type(f).__name__ if type(f).__name__ != 'Transform' else str(getattr(f, 'name', '')) for f in getattr(getattr(dl, 'before_batch', None), 'fs', [])]
+    pads = [n for n in names if 'pad' in n.lower()]   # text's `Pad_Chunk` and `Pad_Input`, a padding function of yours
+    if pads: return f"its `before_batch` ({', '.join(pads)}) pads each batch to its own length, so the examples of two batches do not join"
 
 class LossFilterCallback(LossFilterBase):
     "Score each training batch without gradients and train only on the examples `select` keeps"
@@ -69,6 +110,7 @@ class LossFilterCallback(LossFilterBase):
         store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision,score_model,train_every')
         self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
         self.proxy = None      # the `ProxyScorer` of `score_model`, made at the first fit
+        self._px_rows, self._px_events, self._px_fill_steps = None, set(), 0   # the proxy's rows of this step; the step's events; `fill_batch` steps
 
     def select(self, scores:Tensor) -> Tensor:
         "Indices of the examples to train on, from their per-example `scores`"
@@ -81,29 +123,27 @@ class LossFilterCallback(LossFilterBase):
 
     def before_fit(self):
         super().before_fit()
+        self._out_checked = False   # the proxy's output shape against the model's, at the fit's first step
         if self.run and self.score_model is not None: self._proxy_fit()
-        if self.run and self.fill_batch and orders_own_batches(self.dls.train):
-            raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
-                             "it orders its own batches (a `SortedDL` pads each to its own length, longest first), and pooled "
-                             "examples would lose that order or fail to join; train it without `fill_batch`")
+        why = _pool_refusal(self.dls.train) if self.run and self.fill_batch else None
+        if why: raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
+                                 f"{why}; train it without `fill_batch`")
 
     def before_train(self):
         super().before_train()
         self._find_fit_parts()
 
     def _proxy_fit(self):
-        "Make the proxy's scorer at the first fit (it keeps learning over the next ones), on the model's device, with an optimizer like the model's"
+        "Make the proxy's scorer at the first fit (it keeps learning over the next ones), with an optimizer made as the Learner's, on the model's device"
         learn = self.learn
         check_score_model(self.score_model, learn.model)
         if dist_world()[1] > 1:
             raise ValueError(f"{type(self).__name__} with a `score_model` cannot run with several processes: each rank's proxy would learn "
                              "from its own batches and drift from the others; train on one process, or score with the model itself")
-        dev = next(learn.model.parameters()).device
         if self.proxy is None or self.proxy.loss_func is not learn.loss_func:
-            params = [p for p in self.score_model.parameters() if p.requires_grad]
-            opt = learn.opt_func(params, lr=learn.lr)   # the Learner's kind of optimizer; its rate and momentum follow the Learner's each step
-            self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=opt, train_every=self.train_every, scale_factor=self.scale_factor)
-        self.proxy.model.to(dev)   # its parameters move in place: the optimizer keeps them
+            self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=proxy_opt(learn, self.score_model), train_every=self.train_every,
+                                     scale_factor=self.scale_factor, seed=_run_seed())
+        self.proxy.to(next(learn.model.parameters()).device)   # a Learner moved between fits takes its proxy along, optimizer state too
         self.fit_proxy = [self.proxy.n_scored, self.proxy.n_trained]   # the counts at the fit's start
 
     def proxy_work(self) -> tuple:
@@ -111,22 +151,35 @@ class LossFilterCallback(LossFilterBase):
         if self.proxy is None or not hasattr(self, 'fit_proxy'): return 0, 0
         return self.proxy.n_scored - self.fit_proxy[0], self.proxy.n_trained - self.fit_proxy[1]
 
-    def _proxy_learns(self, idxs:Tensor|None):
-        "The proxy learns from the rows the model trains on (`idxs`; None: the whole batch, scored now if the proxy trains on it), after the model's step"
+    def _proxy_rows(self, idxs:Tensor|None) -> Tensor|None:
+        "The proxy's losses, with their graph, of the rows the model trains on (`idxs`; None: the whole batch, scored now), if the proxy learns this batch"
         px = self.proxy
         if idxs is None:
-            if not px.due: px.skip(); return
+            if self.fill_batch or not px.due: px.skip(); return None
             px.score(self.learn.xb, self.learn.yb)
-        self._proxy_rows = idxs
+        g = px.pop_graph()
+        return g if g is None or idxs is None else g[idxs.to(g.device)]
+
+    def _proxy_fill_rows(self) -> Tensor|None:
+        "With `fill_batch`, every `train_every`-th step the proxy learns the step's own rows (pooled from several batches), by a forward of its own"
+        due, self._px_fill_steps = self._px_fill_steps % self.proxy.train_every == 0, self._px_fill_steps + 1
+        return self.proxy.forward(self.learn.xb, self.learn.yb) if due else None
+
+    # what became of the model's step, for the proxy's: a step cancelled (`CancelStepException`) still runs `after_step`
+    def after_cancel_backward(self): self._px_events.add('cancel_backward')
+    def after_backward(self): self._px_events.add('backward')
+    def after_cancel_step(self): self._px_events.add('cancel_step')
+    def after_step(self): self._px_events.add('step')
 
     def after_batch(self):
-        "The proxy's step on the batch it trains on, at the hyper-parameters the model's step used (the scheduler sets them after the filter's `before_batch`)"
-        px = self.proxy
-        if px is None or not px.pending or not self.training: return
-        hypers = getattr(self.learn.opt, 'hypers', None)
-        if hypers and hasattr(px.opt, 'hypers'):   # a fastai optimizer: the rate and momentum of the model's last parameter group
-            for h in px.opt.hypers: h.update(hypers[-1])
-        px.learn(self._proxy_rows)
+        "The proxy takes the hyper-parameters of the model's step, learns the rows the model learned, and steps where the model stepped"
+        px, ev = self.proxy, self._px_events
+        if px is None or not self.training: return
+        follow_hypers(px.opt, self.learn.opt.hypers[-1])   # every one the scheduler set (rate, momentum, weight decay...), of the last group
+        if 'backward' in ev and 'cancel_backward' not in ev: px.backward(self._px_rows)
+        if 'cancel_step' in ev: px.drop()   # the model drops its gradient: so does the proxy
+        elif 'step' in ev: px.step()        # no step event under `GradientAccumulation` until it steps: the proxy accumulates too
+        self._px_rows, self._px_events = None, set()
 
     def _new_records(self):
         super()._new_records()
@@ -177,8 +230,8 @@ class LossFilterCallback(LossFilterBase):
     def score_batch(self) -> tuple:
         "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace (`score_examples`), or from the proxy"
         learn = self.learn
-        if self.proxy is not None:
-            losses = self.proxy.score(learn.xb, learn.yb)
+        if self.proxy is not None:   # with `fill_batch` no graph: the proxy learns a step's rows when the model trains them
+            losses = self.proxy.score(learn.xb, learn.yb, graph=False if self.fill_batch else None)
             return losses, losses
         losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
                                         after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
@@ -190,7 +243,7 @@ class LossFilterCallback(LossFilterBase):
         "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
         self._checked = True
         map_batch(noop, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
-        if self.proxy is not None: self.proxy.check(self.learn.xb, self.learn.yb)   # its output fits the loss
+        if self.proxy is not None: self.proxy.check(self.learn.xb, self.learn.yb)   # its output fits the loss (its shape is checked at `after_loss`)
 
     def _check_step_losses(self):
         "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
@@ -204,12 +257,14 @@ class LossFilterCallback(LossFilterBase):
         self.n_seen += bs
         idxs = self._selected(bs) if self.is_active() else None
         if idxs is None: self.n_kept += bs
-        if self.proxy is not None: self._proxy_learns(idxs)
+        if self.proxy is not None: self._px_events, self._px_rows = set(), self._proxy_rows(idxs)
         self._plain_step = idxs is None and not (self.fill_batch and self.pool.n)
         self.pooled_step = self.fill_batch and not self._plain_step   # the step's rows come from the pool, not this batch alone
         # the rows of the batch this step trains on (None: all of them, or a pooled batch of other rows): `GradientProbeCallback` reads it
         self.step_idxs = idxs if not self.fill_batch and idxs is not None and len(idxs) < bs else None
-        if self.fill_batch: self._fill(idxs)
+        if self.fill_batch:
+            self._fill(idxs)   # no step (`CancelBatchException`) until a batch is full
+            if self.proxy is not None: self._px_rows = self._proxy_fill_rows()
         elif self.step_idxs is not None: learn.xb, learn.yb = take(learn.xb, idxs), take(learn.yb, idxs)
 
     def _selected(self, bs:int) -> Tensor:
@@ -222,6 +277,9 @@ class LossFilterCallback(LossFilterBase):
     def after_loss(self):
         "Count the examples the step trains on; an unfiltered step's own loss is its full-batch loss, for `full_train_loss`"
         if not self._loss_checked: self._check_step_losses()
+        if self.proxy is not None and not self._out_checked:   # before the first backward: the Learner's own output, after every `after_pred`
+            self._out_checked = True
+            self.proxy.check_output(self.learn.pred)
         bs = find_bs(self.learn.yb)
         self.n_trained += bs; self.fit_trained += bs
         if self._plain_step: self._plain_losses.append((self.learn.loss.detach(), bs))

@@ -5,19 +5,21 @@
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
 import inspect, json, math, platform, random, statistics, sys, time, warnings
+# a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line
+warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
 from functools import partial
 from pathlib import Path
 import torch
 from torch import nn
 from fastcore.script import anno_parser
-from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
+from fastai.basics import Learner, DataLoaders, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
 from .core import plain, frozen_norm_stats, take, check_range
 from .batch import LossFilterCallback
 from .geometry import per_example_gramian
 from .probe import GradientProbeCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import WideResNet, simple_cnn, simple_mlp
-from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, StopAfter, EpochClock, seed_loaders
+from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, learner_flop_costs, StopAfter, EpochClock, seed_loaders
 from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
@@ -26,8 +28,8 @@ from .verdicts import *
 from .plots import *
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'valid_accuracy', 'run_method', 'plain_step_seconds',
-           'measure_score_cost', 'profile_step', 'probe_cost', 'lf_bench', 'main']
+__all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_work_costs', 'valid_accuracy', 'run_method',
+           'plain_step_seconds', 'measure_score_cost', 'profile_step', 'probe_cost', 'lf_bench', 'main']
 
 # %% ../nbs/03_bench.ipynb #94125ca3
 # `quick`: `make bench`, minutes. `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length
@@ -37,9 +39,9 @@ __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'valid_
 PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
                           methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
                long=dict(epochs=9, evals_per_epoch=2, augment=False, controls=True, lr=2.4e-2, bs=128, n_train=20_000, n_valid=5_000,
-                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9'),
+                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25'),
                aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
-                        methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9'))
+                        methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25'))
 
 def _widths(ws:tuple, share:float) -> tuple: return tuple(max(1, round(w * share)) for w in ws)
 
@@ -57,6 +59,22 @@ def make_model(name:str, dls, width:float=1.) -> nn.Module:
 def bench_learner(dls, model:str='cnn') -> Learner:
     "A new Learner of the bench `model` on `dls`: cross-entropy, accuracy"
     return Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+
+# %% ../nbs/03_bench.ipynb #7870f727
+def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
+                     shape:tuple=(1, 28, 28), # one input's shape (Fashion-MNIST's by default)
+                     n_out:int=10, # classes
+                     widths:tuple=(.25, .5) # proxy widths to count
+                    ) -> tuple:
+    "The bench `model`'s costs counted in operations: a scored example's in training steps (`score_cost`) and each proxy width's (`proxy_cost`), as `load_comparison` takes them to count saved runs' work again"
+    x, y = torch.randn(8, *shape), torch.arange(8) % n_out
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=8, device='cpu', num_workers=0)
+    learn = Learner(dls, MODELS[model](x, n_out), loss_func=CrossEntropyLossFlat())
+    proxy = {}
+    for w in widths:
+        c = learner_flop_costs(learn, MODELS[model](x, n_out, w))
+        proxy[f'{w:g}'] = dict(score=c['proxy_score'], step=c['proxy_step'])
+    return learner_flop_costs(learn)['score'], proxy
 
 # %% ../nbs/03_bench.ipynb #a18fb58e
 def valid_accuracy(model, dl) -> float:
@@ -209,14 +227,16 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          seed:int=0, # seed for the model initialisation and the data order
          out:str='bench_out', # folder for results.json and the plots
          repeats:int=1, # runs of every method (interleaved); medians and spreads when > 1
-         target:float=None, # target validation accuracy; default: baseline's final accuracy - `target_drop`
-         target_drop:float=.002, # default target: this much below the baseline's final accuracy (0.2 points)
+         target:float=None, # target validation accuracy for the time to target; default: from `reference_seeds`, else baseline's final accuracy - `target_drop`
+         target_drop:float=None, # that last default: this much below the baseline's final accuracy (0.2 points when None)
+         reference_seeds:int=0, # plain runs on this many further seeds, not judged, fix the target at the knee of their curve (0: none, else at least 3)
          n_train:int=None, # use only this many training examples (0: all); default: the preset's
          n_valid:int=None, # use only this many validation examples (0: all); default: the preset's
          evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
          controls:str='auto', # `yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's
          budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
-         score_cost:float=None, # a scored example's cost in training steps; default: measured on the model at the start
+         score_cost:float=None, # a scored example's cost in training steps; default: counted in operations on the model (`--work time`: timed)
+         work:str='flops', # `flops`: scoring and proxies charged by counted operations, the same on every machine; `time`: by measured step times
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one-epoch fits, three or `repeats`), to probe_cost.json
          model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
@@ -251,20 +271,22 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
                                          augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
     run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
-    cost = saved_cost if saved_cost is not None else measure_score_cost(dls, model, seed=seed) if score_cost is None else score_cost
-    if score_cost is None and saved_cost is None: print(f"a scored example costs {cost:.3f} training steps on this model (a no-grad forward over a training step, measured)")
+    cost = saved_cost if saved_cost is not None else score_cost   # None: `compare_filters` counts it (and times it beside)
     def announce(s, sd, rep, kind): print(f"\n== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
     cmp = compare_filters(make, methods, make_proxy=partial(make_model, model, dls), epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
                           lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch, check=valid_accuracy,
-                          score_cost=cost, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet and sys.stdout.isatty(),
+                          score_cost=cost, work=work, reference_seeds=reference_seeds, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet and sys.stdout.isatty(),
                           diagnostics=True, warmup=False, add_baseline=False, alpha=alpha)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
+    cost, st = cmp.settings['score_cost'], cmp.settings
+    print(f"a scored example costs {cost:.3f} training steps on this model ({'counted in operations' if st.get('work') == 'flops' else 'timed'}"
+          + (f"; timed here {st['score_cost_timed']:.3f}" if st.get('score_cost_timed') else '') + ')')
     scored = [s for s in specs if (c := parse_method(s).cls) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of),
                n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment, label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
-               evals_per_epoch=evals_per_epoch, target=tgt, score_cost=cost, best_plain=best_plain(rows, ['baseline', *budget_runs], tgt),
+               evals_per_epoch=evals_per_epoch, target=tgt, target_from=cmp.target_source, score_cost=cost, work=st.get('work'), score_cost_timed=st.get('score_cost_timed'), best_plain=best_plain(rows, ['baseline', *budget_runs], tgt),
                machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(), torch=torch.__version__,
                             cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None),
                summary=rows, verdicts=cmp.payoffs(), runs=runs, profile=prof)
@@ -272,8 +294,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
     if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
     (out / 'table.txt').write_text(
-        f"Target accuracy {tgt:.4f}. Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
-        f"each, plus a proxy's examples at their measured cost); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} "
+        f"Target accuracy {tgt:.4f} ({cmp.target_source}). Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
+        f"each, plus a proxy's examples at their cost, {'counted in operations' if st.get('work') == 'flops' else 'timed'}; a random control charged its training only); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} "
         f"repeat(s), ±spread (max - min); the x columns are paired ratios (each run over the same seed's baseline; vs_best_plain over the cheapest "
         f"plain schedule), geometric means, above 1x when the method needed less; _ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over "
         f"the {seeds} seed(s); every verdict a one-sided test at {pct_text(alpha)}\n" + format_table(rows) + '\n'
@@ -312,7 +334,7 @@ def _spelled_for(parser, argv:list) -> list:
 def main():
     "The `lf_bench` console script: `lf_bench`'s docments parsed as `call_parse` parses them, with the choices of its options; `--n_train` or `--n-train` under any fastcore"
     p = anno_parser(lf_bench)
-    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS), controls=SWITCH, augment=SWITCH)
+    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS), controls=SWITCH, augment=SWITCH, work=('flops', 'time'))
     for a in p._actions:   # argparse refuses any other value before any work, naming the choices
         if a.dest in choices: a.choices = choices[a.dest]
     args = vars(p.parse_args(_spelled_for(p, sys.argv[1:])))

@@ -12,13 +12,15 @@ from fastai.basics import Learner, Callback, CancelFitException
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
 from .base import LossFilterBase
-from .runs import parse_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, seeded_proxy, StopAfter
+from .runs import (parse_method, judged_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
+                               seeded_proxy, StopAfter, time_to_target, BLIND)
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
-                                   best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text)
+                                   best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text,
+                                   mult_text, diff_text, default_drop, knee_target)
 from .plots import budget_figure, time_figure, save_figure
 
 # %% auto #0
-__all__ = ['Comparison', 'estimate_text', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
+__all__ = ['Comparison', 'estimate_text', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
 
 # %% ../nbs/11_compare.ipynb #651de256
 _shown = [('epochs', 'epochs'), ('reached', 'reached'), ('final', None), ('samp_perc', 'mean_samp_perc'), ('work', 'work'),
@@ -37,6 +39,15 @@ class Comparison:
     @property
     def alpha(self) -> float: return self.settings.get('alpha', .05)
     @property
+    def unit(self) -> str: return self.settings.get('unit', 'points')
+    @property
+    def target_source(self) -> str:
+        "Where the target comes from, in words"
+        src = self.settings.get('target_from')
+        if src == 'reference': return f"fixed from {seeds_text(self.settings.get('reference_seeds', 0))} of the plain model not judged here"
+        if src == 'given' or self.settings.get('fixed_target'): return 'given'
+        return "the plain model's median final value less a small margin, set from the runs it judges: not fixed in advance"
+    @property
     def target_value(self) -> float:
         "The target in the metric's own units"
         return self.sign * self.target
@@ -50,7 +61,10 @@ class Comparison:
             d = dict(method=r['method'])
             for col, k in _shown: d[f'final_{self.metric}' if col == 'final' else col] = self.sign * r['final_accuracy'] if k is None else r.get(k)
             for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(self.rows))] = ci_text(d.pop(k))   # t intervals over seeds
-            for k in ('vs_budget', 'vs_random', 'vs_self'): d[k] = f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else None   # + is better
+            for k in ('vs_budget', 'vs_random', 'vs_self'): d[k] = f"{diff_text(r[k]['diff'], self.unit)} {r[k]['verdict']}" if r.get(k) else None   # + is better
+            v = r.get('vs_budget') or {}
+            d['training_less_needs'] = mult_text(v.get('x'), v.get('x_censored')) if v else None   # the first reading as a work multiplier
+            d['payoff'] = payoff_word(r, bool(self.budgets)) if r['method'] not in {'baseline', *self.budgets, *control_specs(self.control_of)} else None
             out.append(d)
         return pd.DataFrame(out).set_index('method')
 
@@ -60,31 +74,43 @@ class Comparison:
         return [payoff_line(r, bool(self.budgets)) for r in self.rows if r['method'] not in skip]
 
     def brief(self) -> str:
-        "The verdicts as a short text table, one line per method (the controls left out): seeds, work ratios with their intervals, the payoff, the accuracy verdicts"
-        lvl, has = ci_level(self.rows), bool(self.budgets)
+        "The verdicts as a short text table, one line per method (the controls left out): seeds, the first reading with its interval, the payoff, the accuracy verdicts, the second reading"
+        lvl, has, unit = ci_level(self.rows), bool(self.budgets), self.unit
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
-        pts = lambda v: f"{v['diff'] * 100:+.2f} {v['verdict']}" if v else '-'   # points of the metric, + better, as in the payoff lines
-        held = lambda v: '-' if not v else f"{v['diff'] * 100:+.2f} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
+        d = lambda v: diff_text(v['diff'], unit)
+        pts = lambda v: f"{d(v)} {v['verdict']}" if v else '-'   # in the metric's units, + better, as in the payoff lines
+        num = lambda x: diff_text(x, unit).split()[0]   # the number alone: the unit is in the column before
+        ci = lambda v: f"{num(v['lo'])} to {num(v['hi'])}" if v and v.get('lo') is not None else '-'
+        held = lambda v: '-' if not v else f"{d(v)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
         rows = [r for r in self.rows if r['method'] not in skip]
         own = any(r.get('vs_self') for r in rows)   # a proxy-scored method: against the same filter scored by the model
-        cols = ['method', 'seeds', 'reached', 'work_x', f'ci{lvl}', 'vs_training_less', f'ci{lvl}',
-                f"payoff{'' if has else '_vs_plain'}_at_{pct_text(self.alpha)}", 'vs_plain_points', 'equal_work_points', 'vs_random_points'] + ['vs_self_scored_points'] * own
-        return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), f"{r['reached']}/{r['repeats']}", ratio_text(r.get('work_x')), ci_text(r.get('work_x_ci')) or '-',
-                                      ratio_text(r.get('vs_best_plain_work_x')), ci_text(r.get('vs_best_plain_work_ci')) or '-', payoff_word(r, has),
-                                      held(r.get('vs_plain')), pts(r.get('vs_budget')), pts(r.get('vs_random'))] + [pts(r.get('vs_self'))] * own for r in rows])
+        cols = ['method', 'seeds', 'equal_work', f'ci{lvl}', f'payoff_at_{pct_text(self.alpha)}', 'vs_plain', 'vs_random',
+                'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own
+        return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('vs_budget')), ci(r.get('vs_budget')), payoff_word(r, has),
+                                      held(r.get('vs_plain')), pts(r.get('vs_random')),
+                                      f"{'≤' if r.get('target_censored') else ''}{ratio_text(payoff_test(r, has)[0])} ({r['reached']}/{r['repeats']})",
+                                      ci_text(r.get('vs_best_plain_work_ci')) or '-'] + [pts(r.get('vs_self'))] * own for r in rows])
 
     def short(self) -> str:
         "What to read first, in a terminal's width: the setting in a sentence, a small table of the payoffs, how to get the rest"
-        lvl, has = ci_level(self.rows), bool(self.budgets)
+        lvl, has, unit = ci_level(self.rows), bool(self.budgets), self.unit
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
         better = 'lower' if self.sign < 0 else 'higher'
-        how = 'given' if self.settings.get('fixed_target') else f"the plain model's median final value, {self.settings.get('target_drop', .002):g} worse"
-        head = f"Compared on {self.metric} ({better} is better) over {seeds_text(self.settings['seeds'])}, to the target {self.target_value:.4f} ({how}); tests at {pct_text(self.alpha)}."
-        what = ("'less work' is the plain side's work to the target over the method's, paired by seed: above 1x the method got there with less; "
-                "the plain side is " + ('the cheapest shorter plain schedule (training less).' if has else 'the plain model (training less was not run).'))
-        table = _text_table([['method', 'reached target', 'less work', f'{lvl}% interval', 'payoff']] +
-                            [[r['method'], f"{r['reached']} of {r['repeats']}", *_payoff(r, has), payoff_word(r, has)]
-                             for r in self.rows if r['method'] not in skip])
+        head = (f"Compared on {self.metric} ({better} is better) over {seeds_text(self.settings['seeds'])}; tests at {pct_text(self.alpha)}. "
+                f"Work counted in {'operations (FLOPs)' if self.settings.get('work') == 'flops' else 'measured step times'}.")
+        what = ("'at equal work': the method's final value against the plain model trained less, at the method's own work (the curve over "
+                f"every seed's plain schedules), in {'points' if unit == 'points' else unit}, + better; 'training less needs': the plain curve's work "
+                "to match the method over the method's work. The payoff comes from these. 'to target': the second reading, the cheapest plain "
+                f"schedule's work to {self.target_value:.4f} ({self.target_source}) over the method's, a miss counted as at most its whole work.")
+        def row(r):
+            v = r.get('vs_budget') or {}
+            x, _ = payoff_test(r, has)
+            return [r['method'], str(r.get('seeds', 1)), diff_text(v['diff'], unit) if v else '-',
+                    mult_text(v.get('x'), v.get('x_censored')) if v else '-',
+                    f"{mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else '-',
+                    payoff_word(r, has), f"{'≤' if r.get('target_censored') else ''}{ratio_text(x)} ({r['reached']} of {r['repeats']})"]
+        table = _text_table([['method', 'seeds', 'at equal work', 'training less needs', f'{lvl}% interval', 'payoff', 'to target']] +
+                            [row(r) for r in self.rows if r['method'] not in skip])
         return '\n'.join([textwrap.fill(head, 100), textwrap.fill(what, 100), '', table, '',
                           'More: cmp.brief() (accuracy verdicts), cmp.verdicts (in words), cmp.table (every figure).'])
 
@@ -99,7 +125,7 @@ class Comparison:
         fig, axs = plt.subplots(2 if self.budgets else 1, 1, figsize=(10, 9 if self.budgets else 4.5), squeeze=False)
         if self.budgets: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=axs[0, 0])
         time_figure(self.runs, self.target, self.metric, self.sign, ax=axs[-1, 0])
-        fig.suptitle(f"{self.metric}: {self.settings['seeds']} seed(s), the target {self.target_value:.4f}"); fig.tight_layout()
+        fig.suptitle(f"{self.metric}: {seeds_text(self.settings['seeds'])}, the target {self.target_value:.4f} ({self.target_source})", fontsize=10); fig.tight_layout()
         return fig
 
     def results(self) -> dict:
@@ -123,7 +149,7 @@ class Comparison:
         "Every figure of every method and control as a wide text table, then every verdict in words"
         better = 'lower' if self.sign < 0 else 'higher'
         return (f"Comparison on {self.metric} ({better} is better; target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at "
-                f"{pct_text(self.alpha)}; differences in points of {self.metric}, + better\n"
+                f"{pct_text(self.alpha)}; differences in {'points of ' + self.metric if self.unit == 'points' else self.unit}, + better\n"
                 + format_table(self.rows, self.metric, self.sign) + '\n' + '\n'.join(self.verdicts))
 
     def __repr__(self): return self.short()
@@ -164,8 +190,12 @@ def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, 
         if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
     if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
-    for f in budgets.split():
-        if not 0 < float(f) < 1: raise ValueError(f"`budgets` must be shares of the epochs in (0, 1), got {f!r}")
+    for f in (budgets.split() if isinstance(budgets, str) else budgets):
+        try: v = float(f)
+        except (TypeError, ValueError): v = None
+        if v is None or not 0 < v <= 4 or v == 1:
+            raise ValueError(f"`budgets` must be shares of the epochs in (0, 4], other than 1 (below 1: training less; above: longer plain schedules), "
+                             f"as a string ('.6 .75 .9 1.25') or a list, got {f!r}")
 
 def _warn_coarse_target(metric:str, target_drop:float, n_valid:int):
     "Warn when the default target sits less than one validation example below the plain model's final value of a share metric (accuracy, error rate)"
@@ -207,16 +237,26 @@ def estimate_text(first_s:float, fits:float, saved:int=0) -> str:
             + f" needs the time of about {fits:.0f} more such fits, about {_duration(first_s * fits)} on this machine")
 
 # %% ../nbs/11_compare.ipynb #64dadaf3
-def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float=.002) -> Comparison:
-    "The `Comparison` of `runs`: summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
-    alpha, settings = settings.get('alpha', .05), settings | dict(target_drop=target_drop, fixed_target=target is not None)
-    rows, tgt = summarise(runs, target, target_drop, alpha)
-    add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in runs}), tgt, runs=runs, alpha=alpha)
-    return Comparison(runs, rows, tgt, budgets, control_of, settings)
+_SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', 'recall', 'auc', 'top_k')
+
+def metric_unit(metric:str, runs:list) -> str:
+    "'points' for a share metric (accuracy, error rate, F1, Dice: every value in [0, 1]), whose differences read in points; else the metric's own name"
+    vals = [abs(r['final_accuracy']) for r in runs if r.get('final_accuracy') is not None]
+    return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric
+
+def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
+    "The `Comparison` of `runs` (reference runs set aside): summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
+    judged = [r for r in runs if not r.get('reference')]
+    src = settings.get('target_from') or ('given' if target is not None else 'judged runs')
+    unit = metric_unit(settings.get('metric', 'accuracy'), judged)
+    alpha, settings = settings.get('alpha', .05), settings | dict(target_drop=target_drop, fixed_target=target is not None, target_from=src, unit=unit)
+    rows, tgt = summarise(judged, target, target_drop, alpha)
+    add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in judged}), tgt, runs=judged, alpha=alpha, unit=unit)
+    return Comparison(judged, rows, tgt, budgets, control_of, settings)
 
 def _like(name:str, spec:str) -> bool:
     "Whether control `name` has the settings of control `spec`, but perhaps another share `keep`"
-    (_, c0, a, ra), (_, c1, b, rb) = parse_method(name), parse_method(spec)
+    (_, c0, a, ra), (_, c1, b, rb) = judged_method(name), judged_method(spec)
     return c0 is c1 and ra == rb and {k: v for k, v in a.items() if k != 'keep'} == {k: v for k, v in b.items() if k != 'keep'}
 
 def _found_controls(runs:list) -> tuple:
@@ -230,7 +270,7 @@ def _found_controls(runs:list) -> tuple:
             like = [n for n in names if spec and _like(n, spec)]
             if len(like) == 1: cs.insert(0, like[0])
         return cs
-    of = {m: found(m) for m in names if parse_method(m).filters}
+    of = {m: found(m) for m in names if judged_method(m).filters}
     controls = set(control_specs(of))
     return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
 
@@ -244,19 +284,39 @@ def read_runs(path) -> list:
 
 def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or `lf_bench`), a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
                     alpha:float=.05, # the level of every test
-                    target:float|None=None, # the target in the metric's units; default the plain model's median final value, `target_drop` worse
-                    target_drop:float=.002 # the default target's distance from the plain model's final value
+                    target:float|None=None, # the target in the metric's units; default: at the knee of the reference runs saved beside, else the plain model's median final value, `target_drop` worse
+                    target_drop:float|None=None, # the last default's distance from the plain model's final value (`default_drop` when None)
+                    reference=None, # reference runs of the plain model on other seeds (a file, a folder or the runs): the target at their knee
+                    score_cost:float|None=None, # count every run's work again at this cost of a scored example (in training steps, e.g. from `learner_flop_costs`)
+                    proxy_cost:dict|None=None # with `score_cost`: a proxy's `score` and `step` costs, by width (`{'0.25': dict(score=.., step=..)}`)
                    ) -> Comparison:
-    "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`"
+    "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`; runs of a method this version no longer has are judged from their numbers"
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
-    runs = list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved)
+    runs = [dict(r) for r in (list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved))]
     conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
     settings = json.loads(conf.read_text()) if conf is not None and conf.exists() else dict(metric='accuracy', sign=1)
-    settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
-    budgets, control_of = _found_controls(runs)
     sign = settings.get('sign', 1)
+    for r in runs:
+        r.setdefault('history', [])   # runs saved without their checks: judged on their final value and work
+        if r['history'] and 'trained' in r['history'][-1] and (score_cost is not None or judged_method(r['method']).name in BLIND):
+            add_work(r, settings.get('score_cost', 0.) if score_cost is None else score_cost, _proxy_of(r, proxy_cost, settings))
+    refs = [r for r in runs if r.get('reference')] + ([dict(r) for r in (reference if isinstance(reference, (list, tuple)) else read_runs(reference))]
+                                                       if reference is not None else [])
+    if target is None and refs:
+        target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_seeds=len(refs))
+    runs = [r for r in runs if not r.get('reference')]
+    settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
+    if score_cost is not None: settings |= dict(score_cost=score_cost, work=settings.get('work', 'recounted'))
+    budgets, control_of = _found_controls(runs)
     return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
 
+def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict) -> dict|None:
+    "The proxy costs of `run`'s method (by its `proxy=` width), from `proxy_cost` or the saved settings"
+    w = judged_method(run['method']).proxy
+    if w is None: return None
+    costs = proxy_cost if proxy_cost is not None else settings.get('proxy_cost', {})
+    c = costs.get(str(w)) or costs.get(f'{w:g}')
+    return None if c is None else dict(score=c.get('score', c.get('proxy_score')), step=c.get('step', c.get('proxy_step')))
 
 # %% ../nbs/11_compare.ipynb #ab5ad80b
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
@@ -266,15 +326,17 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
                     seed:int=0, # the first seed
                     controls:bool=True, # also train less (`budgets`), choose at random at each method's share, and the rate controls
-                    budgets:str='.6 .75 .9', # shares of `epochs` for the shorter plain schedules
+                    budgets:str|list='.6 .75 .9 1.25', # shares of `epochs` for the other plain schedules: below 1 training less, above 1 longer (so the plain curve reaches past the full schedule)
                     fit=None, # `fit(learn, epochs, lr)`; default `learn.fit_one_cycle(epochs, lr)`
                     metric:str|None=None, # the Recorder's name of the metric the target is on; default the Learner's first metric
                     lower_is_better:bool|None=None, # whether lower is better for `metric`; guessed from its name when None
-                    target:float|None=None, # the target value of `metric`; default the plain model's median final value, `target_drop` worse
-                    target_drop:float=.002, # the default target's distance from the plain model's final value, in the metric's units
+                    target:float|None=None, # the target value of `metric` for the time to target, fixed in advance; default: from `reference_seeds`, else the plain model's median final value, `target_drop` worse
+                    target_drop:float|None=None, # that last default's distance from the plain model's final value, in the metric's units (0.2 points of a share, else 0.2% of the value)
+                    reference_seeds:int=0, # plain full-schedule runs on this many further seeds, not judged: the target at the knee of their curve (`knee_target`)
+                    work:str='flops', # how a scored example and a proxy are charged: `flops`, counted operations (the same on every machine), or `time`, measured step times
                     evals_per_epoch:int=1, # checks of the metric per epoch (more than 1 needs `check`)
                     check=None, # `(model, valid_dl) -> value` of `metric`, for the checks inside an epoch
-                    score_cost:float|None=None, # a scored example's cost in training steps; default measured on your model
+                    score_cost:float|None=None, # a scored example's cost in training steps; default counted (or timed, `work='time'`) on your model
                     repeats:int=1, # runs of every method and seed
                     folder:str|Path|None=None, # save every run here, and resume from the runs saved here
                     resume:bool=True, # reuse the runs saved in `folder`; False starts over
@@ -297,16 +359,22 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                                                        "a function of the width share that returns the proxy model")
     if add_baseline and 'baseline' not in specs: specs.insert(0, 'baseline')   # the target and every paired ratio need the plain model
     _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha)
+    if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
+    if not isinstance(reference_seeds, int) or reference_seeds < 0 or reference_seeds == 1 or reference_seeds == 2:
+        raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
+    budgets = budgets if isinstance(budgets, str) else ' '.join(str(b) for b in budgets)
     metric, probe = _check_factory(make_learner, metric)
-    if target is None: _warn_coarse_target(metric, target_drop, len(probe.dls.valid_ds))
+    if target is None and not reference_seeds: _warn_coarse_target(metric, .002 if target_drop is None else target_drop, len(probe.dls.valid_ds))
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
-                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha)
+                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha, work=work,
+                    reference_seeds=reference_seeds)
     done = _saved_runs(folder, settings, resume)
     if done: settings['score_cost'] = json.loads((folder / 'comparison.json').read_text())['score_cost']   # the saved runs' cost
-    if settings['score_cost'] is None: settings['score_cost'] = learner_score_cost(probe)
-    saved_px = json.loads((folder / 'comparison.json').read_text()).get('proxy_cost', {}) if done else {}
-    settings['proxy_cost'] = {str(w): saved_px.get(str(w)) or learner_proxy_cost(probe, seeded_proxy(make_proxy, w, seed)) for w in widths}
+    saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
+    if settings['score_cost'] is None: settings |= _costs(probe, work)
+    else: settings.setdefault('score_cost_timed', saved.get('score_cost_timed'))
+    settings['proxy_cost'] = {str(w): saved.get('proxy_cost', {}).get(str(w)) or _proxy_costs(probe, seeded_proxy(make_proxy, w, seed), work) for w in widths}
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
     if warmup and len(done) == 0:
         with probe.no_bar(), probe.no_logging(): probe.fit(1, lr, cbs=StopAfter(3))
@@ -335,6 +403,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                                     evals_per_epoch=evals_per_epoch, check=check, show_progress=show_fits, diag=diag, cbs=cbs, make_proxy=make_proxy)
                         w = parse_method(s).proxy
                         runs.append(add_work(r | dict(seed=sd, repeat=rep), settings['score_cost'], settings['proxy_cost'].get(str(w))))
+                        if kind == 'reference': runs[-1]['reference'] = True   # saved as such: never judged, on resuming too
                         if not timed_first:   # the first fit trained here: what the rest will take
                             timed_first.append((time.perf_counter() - t0) * epochs / _epochs_of(s, epochs))   # the whole call: the Learner built, fit, checked
                             print(estimate_text(timed_first[0], fits * (1 - len(done) / max(n_est, 1)) - _epochs_of(s, epochs) / epochs, len(done)))
@@ -342,6 +411,11 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                             with open(folder / 'runs.jsonl', 'a') as f: f.write(json.dumps(runs[-1]) + '\n')
                     if pbar is not None:
                         pbar.total = max(pbar.total, len(runs) + 1); pbar.update(len(runs))
+    if reference_seeds:   # before the judged runs: the target is fixed from them alone
+        seed_list = range(seed + seeds, seed + seeds + reference_seeds)
+        run_all(['baseline'], 'reference')
+        refs, runs, seed_list = runs, [], range(seed, seed + seeds)
+        if target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
     run_all(specs, 'method')
     budget_runs, control_of = [], {}
     if controls:   # after the methods: a random control needs the share its method really kept, a rate control its rate
@@ -349,4 +423,19 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
         control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs), self_scored_control(s)) if c])}
         run_all(budget_runs + [c for c in control_specs(control_of) if c not in specs], 'control')
     if pbar is not None: pbar.total = len(runs); pbar.update(len(runs))
+    if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
     return judge(runs, budget_runs, control_of, settings, None if target is None else sign * target, target_drop)
+
+def _costs(probe, work:str) -> dict:
+    "A scored example's cost in training steps of `probe`'s model: counted in operations (`work='flops'`) and timed, both kept; the count falls back to the timing where it sees no operation"
+    timed_ = learner_score_cost(probe)
+    fl = learner_flop_costs(probe) if work == 'flops' else None
+    if work == 'flops' and fl is None:
+        warnings.warn("`torch.utils.flop_counter` counts none of this model's operations: work is charged by measured step times instead", stacklevel=3)
+    return dict(score_cost=fl['score'] if fl else timed_, score_cost_timed=timed_, work='flops' if fl else 'time')
+
+def _proxy_costs(probe, proxy, work:str) -> dict:
+    "A proxy's `score` and `step` costs per example in training steps of `probe`'s model, counted or timed as `work` says, the timing kept beside"
+    timed_ = learner_proxy_cost(probe, proxy)
+    fl = learner_flop_costs(probe, proxy) if work == 'flops' else None
+    return dict(score=fl['proxy_score'], step=fl['proxy_step'], timed=timed_) if fl else timed_

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_data.ipynb #e9934164
 from __future__ import annotations
-import gzip, math, os, urllib.request, warnings, zlib
+import gzip, math, numbers, os, urllib.request, warnings, zlib
 from pathlib import Path
 import numpy as np, torch, torch.nn.functional as F
 from torch import nn, Tensor
@@ -12,7 +12,7 @@ from fastcore.basics import store_attr
 from fastai.torch_core import default_device
 from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
-from .core import check_range
+from .core import check_range, check_int
 
 # %% auto #0
 __all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'DATASETS', 'CIFAR_CLASSES', 'CIFAR10_SETTINGS', 'IdxFormatError',
@@ -159,6 +159,11 @@ def tensor_dls(x_train:Tensor, y_train:Tensor, x_valid:Tensor, y_valid:Tensor,
                c:int|None=None # number of classes; default: inferred from the targets
               ) -> DataLoaders:
     "`DataLoaders` over in-memory tensors: shuffled training batches (last partial one dropped), ordered validation"
+    check_int('bs', bs, 1)
+    if val_bs is not None: check_int('val_bs', val_bs, 1)
+    for split, x, y in (('train', x_train, y_train), ('valid', x_valid, y_valid)):
+        if len(x) != len(y): raise ValueError(f"`x_{split}` has {len(x)} rows and `y_{split}` {len(y)}: they must have one row per example")
+        if not len(y): raise ValueError(f"`x_{split}` and `y_{split}` are empty: each split needs at least one example")
     device = default_device() if device is None else torch.device(device)
     c = int(max(y_train.max(), y_valid.max())) + 1 if c is None else c
     mk = lambda x, y: TensorSet(x.to(device), y.to(device), c=c)
@@ -182,6 +187,21 @@ class CropFlip:
         return (out, *rest)
 
 # %% ../nbs/02_data.ipynb #19e86833
+def _check_subset(name:str, # the argument's name, used in the message
+                 n:int|None, # the subset's size; None for the whole split
+                 split:str): # the split, used in the message: 'training' or 'validation'
+    "Raise a `TypeError` or `ValueError` naming `name` unless `n` is None or an integer >= 1"
+    if n is None: return n
+    bad = TypeError if isinstance(n, bool) or not isinstance(n, numbers.Integral) else ValueError if n < 1 else None
+    if bad: raise bad(f"`{name}` must be an integer >= 1, or None for every {split} image; got {n!r}")
+    return n
+
+def _check_image_args(bs, n_train, n_valid, label_noise):
+    "Refuse, before any data is read, what cannot make loaders: each argument named, with its range"
+    check_int('bs', bs, 1)
+    _check_subset('n_train', n_train, 'training'); _check_subset('n_valid', n_valid, 'validation')
+    check_range('label_noise', label_noise, 0, 1, hi_open=True)
+
 def _subset(x, y, n, seed):
     if n is None or n >= len(y): return x, y
     idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:n]
@@ -212,6 +232,7 @@ def fashion_mnist_dls(path:str|Path|None=None, # folder with the idx files; defa
                       label_noise:float=0. # share of training labels changed to a wrong class (validation stays clean)
                      ) -> DataLoaders:
     "Fashion-MNIST (60,000 training, 10,000 test images of 28x28) as in-memory `DataLoaders`"
+    _check_image_args(bs, n_train, n_valid, label_noise)
     d = find_fashion_mnist(path)
     a = {k: torch.from_numpy(read_idx(d / f).copy()) for k, f in FASHION_FILES.items()}
     img = lambda t: t.float().div_(255.)[:, None]
@@ -221,11 +242,14 @@ def digits_dls(bs:int=64, valid_pct:float=.2, n_train:int|None=None, n_valid:int
                label_noise:float=0. # share of training labels changed to a wrong class (validation stays clean)
               ) -> DataLoaders:
     "scikit-learn's bundled digits (1,797 images of 8x8), split at random with `seed`"
+    _check_image_args(bs, n_train, n_valid, label_noise)
+    check_range('valid_pct', valid_pct, 0, 1, lo_open=True, hi_open=True)
     from sklearn.datasets import load_digits
     d = load_digits()
     x, y = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16., torch.tensor(d.target)
     idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(len(y) * (1 - valid_pct))
+    if not 0 < cut < len(y): raise ValueError(f"`valid_pct={valid_pct}` leaves {'no training' if cut < 1 else 'no validation'} image of the {len(y)}")
     return _image_dls(x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]], bs, n_train, n_valid, seed, device, label_noise)
 
 # %% ../nbs/02_data.ipynb #e779332c
@@ -248,6 +272,7 @@ CIFAR_CLASSES = 'airplane automobile bird cat deer dog frog horse ship truck'.sp
 def cifar10_dls(path:str|Path|None=None, # CIFAR10 folder; default: `untar_data(URLs.CIFAR)` (downloads it)
                 bs:int=128, augment:bool=True, device=None, num_workers:int|None=None, **kwargs) -> DataLoaders:
     "CIFAR10 `DataLoaders` from fastai's folder layout, with standard augmentation and normalisation"
+    check_int('bs', bs, 1)
     from fastai.vision.all import ImageDataLoaders, untar_data, URLs, aug_transforms, Normalize, cifar_stats
     path = Path(untar_data(URLs.CIFAR) if path is None else path)
     for split in ('train', 'test'):

@@ -4,6 +4,7 @@
 
 # %% ../nbs/00b_proxy.ipynb #ac2e92dd
 from __future__ import annotations
+from collections import defaultdict
 from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
@@ -29,6 +30,26 @@ def check_score_model(model, # the proxy the user gave
                          "(or no `score_model`, to score with the model itself)")
     return model
 
+# %% ../nbs/00b_proxy.ipynb #7b3e9d21
+def _streams(dev:torch.device) -> dict:
+    "torch's global random streams a block on `dev` draws from, by name, as (get_state, set_state, seed): the CPU's always, CUDA's or MPS's there"
+    res = {'cpu': (torch.get_rng_state, torch.set_rng_state, torch.random.default_generator.manual_seed)}
+    if dev.type == 'cuda':
+        i = dev.index if dev.index is not None else torch.cuda.current_device()
+        res[f'cuda:{i}'] = (lambda: torch.cuda.get_rng_state(i), lambda s: torch.cuda.set_rng_state(s, i),
+                            lambda n: torch.cuda.default_generators[i].manual_seed(n))
+    elif dev.type == 'mps': res['mps'] = (lambda: torch.mps.get_rng_state(), lambda s: torch.mps.set_rng_state(s), lambda n: torch.mps.manual_seed(n))
+    return res
+
+def _torch_opt(opt):
+    "The torch optimizer `opt` is, or holds (fastai's `OptimWrapper`); None for fastai's own `Optimizer`"
+    inner = getattr(opt, 'opt', opt)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+def _swap(ps, new:dict):
+    "The parameters `ps`, each replaced by `new[id(p)]` where it has one"
+    return type(ps)(new.get(id(p), p) for p in ps)
+
 # %% ../nbs/00b_proxy.ipynb #3127b648
 class ProxyScorer:
     "A small `model` scoring each batch for a filter: per-example losses from its forward, a step of its own every `train_every`-th batch"
@@ -38,20 +59,21 @@ class ProxyScorer:
                  opt=None, # the proxy's optimizer (anything with `step()` and `zero_grad()`); default Adam at 1e-3 on its parameters
                  train_every:int=4, # a training step on every `train_every`-th batch (1: every batch); the others are scored without gradients
                  scale_factor:float=1., # downsample image inputs by this factor for the proxy, in (0, 1]
-                 seed:int=0): # seed of the proxy's own random stream (its dropout, if any)
+                 seed:int=0): # seed of the proxy's own random streams (its dropout, if any), on the CPU and on its device
         check_score_model(model); check_per_sample(loss_func)
         check_int('train_every', train_every, lo=1)
         check_range('scale_factor', scale_factor, 0, 1, lo_open=True)
+        check_int('seed', seed)
         self.model, self.loss_func, self.train_every, self.scale_factor, self.seed = model, loss_func, train_every, scale_factor, seed
         self.opt = opt if opt is not None else torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         self.n_batches = self.n_scored = self.n_trained = self.n_steps = 0   # batches seen; examples scored without and with a graph; steps
-        self._graph, self._rng = None, None
+        self._graph, self._rng, self._n_acc, self.out_shape = None, {}, 0, None   # `_n_acc`: rows in the gradient waiting for `step`
 
     @property
     def device(self): return next(self.model.parameters()).device
     @property
     def pending(self) -> bool:
-        "Whether the last batch scored awaits its step (`learn`)"
+        "Whether the last batch scored kept its graph for a step (`learn`, or `pop_graph`)"
         return self._graph is not None
     @property
     def due(self) -> bool:
@@ -60,28 +82,42 @@ class ProxyScorer:
 
     @contextmanager
     def own_rng(self):
-        "Run the block on the proxy's own random stream; torch's global streams are left exactly as they were"
-        dev = self.device
-        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == 'cuda' else []
-        with torch.random.fork_rng(devices=cuda):
-            if self._rng is None:
-                torch.random.default_generator.manual_seed(self.seed)
-                if cuda: torch.cuda.default_generators[cuda[0]].manual_seed(self.seed)
-            else:
-                torch.set_rng_state(self._rng[0])
-                if cuda: torch.cuda.set_rng_state(self._rng[1], cuda[0])
-            try: yield
-            finally: self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state(cuda[0]) if cuda else None)
+        "Run the block on the proxy's own random streams (the CPU's, and CUDA's or MPS's on those devices); torch's global ones are left as they were"
+        streams = _streams(self.device)
+        saved = {k: get() for k, (get, _, _) in streams.items()}
+        try:
+            for k, (_, put, seed) in streams.items():
+                if k in self._rng: put(self._rng[k])
+                else: seed(self.seed)   # a stream the proxy has not drawn from yet (a proxy moved to CUDA) starts from its seed
+            yield
+        finally:
+            for k, (get, put, _) in streams.items(): self._rng[k] = get(); put(saved[k])
 
-    def _losses(self, xb:tuple, yb:tuple) -> Tensor:
-        pred = first_output(self.model(*downsample(plain(tuple(xb)), self.scale_factor)))
-        return per_sample_loss(self.loss_func, plain(pred), *plain(tuple(yb)))
+    def to(self, device) -> ProxyScorer:
+        "Move the proxy to `device` (the Learner's, which may change between fits) with its optimizer's state; its streams there start from `seed`"
+        old, topt = list(self.model.parameters()), _torch_opt(self.opt)
+        sd = None if topt is None else topt.state_dict()   # its state by parameter position: it survives new parameter objects
+        self.model.to(device)
+        new = {id(p): q for p, q in zip(old, self.model.parameters()) if p is not q}   # `.to` may make new parameters (to `meta`, say)
+        if topt is not None:
+            for pg in topt.param_groups: pg['params'] = _swap(pg['params'], new)
+            topt.load_state_dict(sd)   # torch casts each state to its parameter's device (`step` stays where torch keeps it)
+        elif hasattr(self.opt, 'param_lists'): self.opt.param_lists = type(self.opt.param_lists)(_swap(ps, new) for ps in self.opt.param_lists)
+        if topt is not self.opt and isinstance(getattr(self.opt, 'state', None), dict):   # fastai's per-parameter state: moments, `do_wd`
+            self.opt.state = defaultdict(dict, {new.get(id(p), p): {k: v.to(device) if isinstance(v, Tensor) else v for k, v in st.items()}
+                                                for p, st in self.opt.state.items()})
+        return self
+
+    def _losses(self, xb:tuple, yb:tuple, keep_shape=False) -> Tensor:
+        pred = plain(first_output(self.model(*downsample(plain(tuple(xb)), self.scale_factor))))
+        if keep_shape: self.out_shape = tuple(pred.shape[1:])
+        return per_sample_loss(self.loss_func, pred, *plain(tuple(yb)))
 
     def check(self, xb:tuple, yb:tuple):
         "Raise a `ValueError` naming `score_model` unless its output on the batch gives one loss per example; nothing in the proxy changes"
-        bs, rng = plain(tuple(yb))[0].shape[0] if len(yb) else None, self._rng
+        bs, rng = plain(tuple(yb))[0].shape[0] if len(yb) else None, dict(self._rng)
         try:
-            with torch.no_grad(), self.own_rng(), frozen_norm_stats(self.model): losses = self._losses(xb, yb)
+            with torch.no_grad(), self.own_rng(), frozen_norm_stats(self.model): losses = self._losses(xb, yb, keep_shape=True)
         except Exception as e:
             raise ValueError(f"`score_model` cannot score this batch: its output does not fit the loss "
                              f"({type(e).__name__}: {e}); it must take the main model's inputs and give what the loss takes") from e
@@ -89,9 +125,16 @@ class ProxyScorer:
         if losses.shape[0] != bs:
             raise ValueError(f"`score_model` gave {losses.shape[0]} losses for a batch of {bs}: it must give one output per example")
 
-    def score(self, xb:tuple, yb:tuple) -> Tensor:
-        "Per-example losses of the batch (float, detached); on a batch the proxy trains on, the graph is kept for `learn`"
-        train, self._graph = self.due, None
+    def check_output(self, pred):
+        "Raise a `ValueError` naming `score_model` unless its output in `check` had the shape of the main model's `pred`, beyond the batch"
+        want = tuple(first_output(pred).shape[1:])
+        if self.out_shape is not None and self.out_shape != want:
+            raise ValueError(f"`score_model` gives an output of shape {self.out_shape} per example where the model gives {want}: the loss "
+                             "took it, but the proxy would rank the examples on another task; give it the model's outputs (as many classes)")
+
+    def score(self, xb:tuple, yb:tuple, graph:bool|None=None) -> Tensor:
+        "Per-example losses of the batch (float, detached); with `graph` (default: on a batch the proxy trains on, `due`) the graph is kept for a step"
+        train, self._graph = self.due if graph is None else graph, None
         self.n_batches += 1
         self.model.train()
         with torch.set_grad_enabled(train), self.own_rng(): losses = self._losses(xb, yb)
@@ -99,17 +142,45 @@ class ProxyScorer:
         else: self.n_scored += losses.shape[0]
         return losses.detach().float()
 
-    def learn(self, idxs:Tensor|None=None) -> bool:
-        "A step of the proxy on rows `idxs` (all when None) of the batch just scored, if it trains on that batch; whether it stepped"
+    def forward(self, xb:tuple, yb:tuple) -> Tensor:
+        "Per-example losses with their graph, for `backward`, of rows the proxy learns but scored without one (a `fill_batch` step pools several batches)"
+        self.model.train()
+        with self.own_rng(): losses = self._losses(xb, yb)
+        self.n_trained += losses.shape[0]
+        return losses
+
+    def pop_graph(self) -> Tensor|None:
+        "The losses, with their graph, of the last batch scored if it kept its graph (then forgotten), else None"
         g, self._graph = self._graph, None
-        if g is None: return False
-        g = g if idxs is None else g[idxs.to(g.device)]
-        g = g[g.isfinite()]   # a broken example teaches the proxy nothing
+        return g
+
+    def backward(self, losses:Tensor|None) -> bool:
+        "Add the gradient of the finite `losses` (rows with their graph) to what waits for `step`; whether there was any"
+        if losses is None: return False
+        g = losses[losses.isfinite()]   # a broken example teaches the proxy nothing
         if not len(g): return False
-        with self.own_rng(): g.mean().backward()
-        self.opt.step(); self.opt.zero_grad()
-        self.n_steps += 1
+        with self.own_rng(): g.float().sum().backward()
+        self._n_acc += len(g)
         return True
+
+    def step(self) -> bool:
+        "A step of the proxy's optimizer on the mean gradient of every row `backward` added since the last step; whether it stepped"
+        if not self._n_acc: return False
+        for p in self.model.parameters():
+            if p.grad is not None: p.grad.div_(self._n_acc)
+        self.opt.step(); self.opt.zero_grad()
+        self._n_acc, self.n_steps = 0, self.n_steps + 1
+        return True
+
+    def drop(self):
+        "Forget the gradient waiting for `step` (the model's step was cancelled, and its gradient zeroed)"
+        if self._n_acc: self.opt.zero_grad()
+        self._n_acc = 0
+
+    def learn(self, idxs:Tensor|None=None) -> bool:
+        "A step of the proxy on rows `idxs` (all when None) of the batch just scored, if it kept its graph; whether it stepped"
+        g = self.pop_graph()
+        return self.backward(g if g is None or idxs is None else g[idxs.to(g.device)]) and self.step()
 
     def skip(self):
         "Count a batch the proxy neither scores nor trains on (a batch the filter does not filter, when the proxy is not due to train)"

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_runs.ipynb #b84daf87
 from __future__ import annotations
-import functools, math, random, statistics, time
+import functools, inspect, math, random, statistics, time
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
@@ -18,9 +18,10 @@ from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'Method', 'parse_method', 'lower_is_better', 'metric_sign',
-           'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'seeded_proxy',
-           'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'Method', 'parse_method', 'RetiredMethod', 'judged_method',
+           'lower_is_better', 'metric_sign', 'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders',
+           'run_fit', 'seeded_proxy', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost',
+           'learner_proxy_cost', 'learner_flop_costs']
 
 # %% ../nbs/08_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -74,8 +75,26 @@ def _parse(spec:str) -> Method:
         raise ValueError(f"`lr_mult` in method {spec!r} must be a number > 0, got {run['lr_mult']!r}")
     if cls is None and kw: raise ValueError(f"`{name}` takes no settings but {', '.join(RUN_SETTINGS)}, got {kw}")
     kw = {**defaults, **kw}
-    if cls is not None: cls(**kw)   # bad settings fail now, not after the baseline has trained
+    if cls is not None:   # bad settings fail now, not after the baseline has trained
+        known = set(inspect.signature(cls).parameters) - {'self', 'args', 'kwargs'}
+        if bad := sorted(set(kw) - known):
+            raise ValueError(f"method {spec!r}: `{name}` has no setting {', '.join(f'`{k}`' for k in bad)}; its settings are "
+                             f"{', '.join(sorted(known))}, and on every method {', '.join(RUN_SETTINGS)}")
+        cls(**kw)
     return Method(spec, cls, MappingProxyType(kw), MappingProxyType(run))
+
+class RetiredMethod:
+    "Stands for the filter of a saved run that this version no longer has, or whose settings it no longer takes: judged from the run's numbers, never trained"
+
+def judged_method(spec:str|Method) -> Method:
+    "`parse_method(spec)`; for a saved run's method this version no longer knows, a `Method` with the class `RetiredMethod`, so its runs stay judgeable"
+    try: return parse_method(spec)
+    except (ValueError, TypeError):
+        name, _, args = str(spec).partition(':')
+        if name == 'baseline': raise
+        kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if '=' in a))
+        run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy',) if k in kw}
+        return Method(str(spec), RetiredMethod, MappingProxyType(kw), MappingProxyType(run))
 
 # %% ../nbs/08_runs.ipynb #01f1925d
 _LOWER = ('loss', 'error', 'mse', 'mae', 'rmse', 'msle', 'perplexity')
@@ -197,7 +216,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
 def seeded_proxy(make_proxy, width:float, seed:int, spec:str='') -> torch.nn.Module:
     "`make_proxy(width)`, its weights drawn from `seed` without moving torch's global random state (the main model's draws stay the plain run's)"
     if make_proxy is None: raise ValueError(f"method {spec!r} scores by a proxy: pass `make_proxy`, a function of the width share that returns the proxy model")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):   # `manual_seed` seeds every CUDA generator too
         torch.manual_seed(seed + 7919)
         return make_proxy(width)
 
@@ -217,10 +236,13 @@ def time_to_target(history:list, # checks: dicts with `accuracy` (oriented: high
     f = (target - prev['accuracy']) / (e['accuracy'] - prev['accuracy'])
     return prev[key] + max(0., min(1., f)) * (e[key] - prev[key])
 
+BLIND = ('random', 'random_batch')   # the controls that choose at random: their choice needs no score
+
 def add_work(run:dict, score_cost:float, proxy_cost:dict|None=None) -> dict:
-    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained)"
+    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained); a random control is charged its training only"
+    if run['method'].partition(':')[0] in BLIND: score_cost, proxy_cost = 0., None   # it may score for its records, but random choice needs no score
     pc = proxy_cost or dict(score=0., step=0.)
-    if (run.get('proxy_scored') or run.get('proxy_trained')) and proxy_cost is None:
+    if (run.get('proxy_scored') or run.get('proxy_trained')) and proxy_cost is None and score_cost:
         raise ValueError(f"the run of {run['method']!r} used a proxy: its work needs `proxy_cost`")
     per = lambda e: (e['trained'] + score_cost * e['scored'] + pc['score'] * e.get('proxy_scored', 0) + pc['step'] * e.get('proxy_trained', 0)) / run['plain_epoch']
     for e in run['history']: e['work'] = per(e)
@@ -277,3 +299,34 @@ def learner_proxy_cost(learn, # a Learner that will not train on (its weights mo
         with torch.no_grad(): proxy(*xb)
     main = timed(step, n)
     return dict(score=timed(forward, n) / main, step=timed(proxy_step, n) / main)
+
+
+def _flops(f) -> float:
+    "Floating-point operations `f()` runs, as `torch.utils.flop_counter` counts them (matrix products and convolutions, forward and backward)"
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as fc: f()
+    return float(fc.get_total_flops())
+
+def learner_flop_costs(learn, # a Learner that will not train on (its model's gradients are put back, its norm statistics frozen)
+                       proxy:torch.nn.Module|None=None # a proxy scorer, or None
+                      ) -> dict|None:
+    "Per example, in training steps (forward and backward) of `learn`'s model, counted in operations on one training batch: `score`, a no-grad forward; with `proxy`, `proxy_score` and `proxy_step`. The same on every machine; None where the counter sees none of the model's operations"
+    b = learn.dls.train.one_batch()
+    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+    def count(m, grad:bool) -> float:
+        m.to(learn.dls.device).train()
+        saved = [(p, p.grad) for p in m.parameters()]
+        def f():
+            with torch.set_grad_enabled(grad), frozen_norm_stats(m):
+                out = first_output(m(*xb))
+                if grad: learn.loss_func(out, *yb).backward()
+        try: return _flops(f)
+        finally:
+            for p, g in saved: p.grad = g   # the gradients as they were
+    devs = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devs):   # dropout's draws leave torch's random streams as they were
+        main = count(learn.model, True)
+        if not main > 0: return None
+        out = dict(score=count(learn.model, False) / main, step_flops=main / find_bs(yb))
+        if proxy is not None: out.update(proxy_score=count(proxy, False) / main, proxy_step=count(proxy, True) / main)
+    return out

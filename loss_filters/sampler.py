@@ -15,7 +15,7 @@ from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
                                check_range, dist_world, all_reduce_sum, prune_at_random, plain)
 from fastcore.basics import noop
-from .base import LossFilterBase, orders_own_batches, unwrapped_loader, warn_no_op, by_keyword
+from .base import LossFilterBase, DataRangeHistogram, orders_own_batches, unwrapped_loader, warn_no_op, by_keyword
 
 # %% auto #0
 __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
@@ -120,7 +120,8 @@ class SamplerPruningCallback(LossFilterBase):
         "Also an empty score table (NaN: not known yet), at a fit's first epoch"
         super()._new_records()
         self.lr_stats = []     # per step: `(train_iter, lr_used, lr_scheduled)`
-        self.prune_hist = []   # per pruned epoch, `hist_bins` counts of the kept and left-out stale scores: bounded memory
+        self.prune_scores = DataRangeHistogram(self.hist_bins, rows=max(2, self.n_epoch + self.n_epoch % 2))   # a row per epoch
+        self._pruned_epochs, self._warned_topup = [], False
         self.table = torch.full((len(self.dls.train.dataset),), float('nan'), device=next(self.model.parameters()).device)
 
     def _restore(self):
@@ -134,23 +135,44 @@ class SamplerPruningCallback(LossFilterBase):
             for k in _epoch_attrs: o.__dict__.pop(k, None)
         inner.n, self._saved = n, None
 
-    def _epoch_batches(self, inner, keep:Tensor) -> tuple:
-        "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting)"
+    def _epoch_batches(self, inner, keep:Tensor, world:int=1) -> tuple:
+        "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting); never no batch where a plain epoch has one"
         inner.randomize()      # what `DataLoader.__iter__` does first; the epoch then skips it (`randomize` is set to `noop` for it),
         own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)   # so the loader draws exactly what a plain epoch draws
         if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
         bs, kept = inner.bs, keep.cpu()
+        self._drawn = own   # what a plain epoch draws: the diagnostics count what the epoch left out of it
         if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
+            kept = self._top_up(inner, kept, own, min(len(own) // (bs * world) * bs * world, bs * world) if inner.drop_last else min(len(own), 1))
             order = own[kept[own]]
             if not inner.drop_last and len(order) % bs == 1 and 1 < bs and len(order) < len(own):   # no last batch of one
                 order = torch.cat([order, own[~kept[own]][:1]])
             end = len(order) // bs * bs if inner.drop_last else len(order)   # the loader drops a partial last batch itself
             return order, [min(bs, end - i) for i in range(0, end, bs)]
-        batches = [own[i:i + bs] for i in range(0, len(own), bs)]
-        if inner.drop_last and batches and len(batches[-1]) < bs: batches = batches[:-1]
-        batches = [b[_not_one(kept[b])] for b in batches]
-        batches = [b for b in batches if len(b)]
+        plain = [own[i:i + bs] for i in range(0, len(own), bs)]
+        if inner.drop_last and plain and len(plain[-1]) < bs: plain = plain[:-1]
+        self._drawn = torch.cat(plain) if plain else own[:0]   # less the partial batch the loader drops in a plain epoch too
+        batches = [b for b in (b[_not_one(kept[b])] for b in plain) if len(b)]
+        if plain and not batches: batches = [plain[self._warn_top_up(inner)]]   # its first batch, whole
         return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
+
+    def _top_up(self, inner, kept:Tensor, own:Tensor, least:int) -> Tensor:
+        "`kept`, with the first examples of `own` it leaves out kept too where it keeps fewer than `least` of `own`: an epoch trains at least a batch"
+        short = least - int(kept[own].sum())
+        if short <= 0: return kept
+        self._warn_top_up(inner)
+        kept = kept.clone()
+        kept[own[~kept[own]][:short]] = True
+        return kept
+
+    def _warn_top_up(self, inner) -> int:
+        "Say, once per fit, that an epoch would have trained nothing and trains one batch; 0, the batch it trains"
+        if not self._warned_topup:
+            self._warned_topup = True
+            warnings.warn(f"{type(self).__name__}: epoch {self.epoch} would keep too few examples to fill one batch of the training loader "
+                          f"(`bs={inner.bs}`{' with `drop_last=True`' if inner.drop_last else ''}) and so train nothing: it trains one batch, "
+                          "topped up with examples it would leave out (said once per fit)", stacklevel=4)
+        return 0
 
     def before_train(self):
         super().before_train()
@@ -159,8 +181,8 @@ class SamplerPruningCallback(LossFilterBase):
         inner = dl.dl if _is_distributed_dl(dl) else dl
         full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
         keep, self.weights = (torch.ones_like(self.table, dtype=torch.bool), None) if full else self.epoch_keep()
-        self.epoch_order, sizes = self._epoch_batches(inner, keep)
         rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
+        self.epoch_order, sizes = self._epoch_batches(inner, keep, world)
         self.rank_order = rank_share(self.epoch_order, rank, world, inner.bs, inner.drop_last).to(keep.device)
         if world > 1: sizes = [min(inner.bs, len(self.rank_order) - i) for i in range(0, len(self.rank_order), inner.bs)]
         self._starts = [0] + list(itertools.accumulate(sizes))
@@ -183,7 +205,7 @@ class SamplerPruningCallback(LossFilterBase):
         self._warned_unvisited = True
         warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch: the "
                       "training loader does not draw every example each epoch (it samples with replacement, as `TabWeightedDL`, or draws fewer "
-                      "than the dataset holds); the others are always kept, and the diagnostics count examples where `samp_perc` counts draws",
+                      "than the dataset holds); the others are always kept",
                       stacklevel=2)
 
     def _stale_shares(self, known:Tensor, world:int, size:int, inner):
@@ -192,14 +214,25 @@ class SamplerPruningCallback(LossFilterBase):
         trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
         self.n_scored = int(known.sum())
         self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
-        self._record_decision(known, trained)
+        self._record_decision(trained)
 
-    def _record_decision(self, known:Tensor, trained:Tensor):
-        "Histogram counts of the known stale scores of the examples the epoch trains and of those it leaves out (one row an epoch)"
-        tr = torch.zeros_like(known); tr[trained.to(known.device)] = True
-        lo, hi = (math.log10(v) for v in self.hist_range)
-        count = lambda s: torch.histc(s.clamp(*self.hist_range).log10().float(), self.hist_bins, lo, hi).long().cpu()
-        self.prune_hist.append(dict(epoch=self.epoch, kept=count(self.table[known & tr]), left_out=count(self.table[known & ~tr])))
+    def _record_decision(self, trained:Tensor):
+        "The known stale scores of the epoch's draws, trained or left out, as the epoch's row of `prune_scores`"
+        n, dev = len(self.table), self.table.device
+        trained = trained.to(dev)   # draws, as `samp_perc` counts them: a loader that draws with replacement draws some examples twice
+        left = (torch.bincount(self._drawn.to(dev), minlength=n) - torch.bincount(trained, minlength=n)).clamp(min=0)
+        idx = torch.cat([trained, torch.repeat_interleave(torch.arange(n, device=dev), left)])   # an example the loader did not draw is not left out
+        s, kept = self.table[idx], torch.arange(len(idx), device=dev) < len(trained)
+        ok = s.isfinite()
+        self.prune_scores.add_many(s[ok], torch.full((int(ok.sum()),), self.epoch, device=dev), kept[ok])
+        self._pruned_epochs.append(self.epoch)
+
+    @property
+    def prune_hist(self) -> list:
+        "Per pruned epoch, counts on `prune_scores.edges` of the known stale scores of the draws it trained (`kept`) and left out (`left_out`)"
+        h = getattr(self, 'prune_scores', None)
+        c = h.table()[0] if h is not None else None
+        return [dict(epoch=e, kept=c[e, 1], left_out=c[e, 0] - c[e, 1]) for e in getattr(self, '_pruned_epochs', [])]
 
     def _step_idx(self) -> Tensor:
         "The dataset indices of the examples in this training step, in the batch's order"
@@ -282,14 +315,16 @@ class SamplerPruningCallback(LossFilterBase):
         return ax.figure
 
     def plot_pruned_scores(self, ax=None):
-        "Histogram of the stale scores of the examples the pruned epochs trained and of those they left out, summed over the epochs"
+        "Histogram of the stale scores of the draws the pruned epochs trained and of those they left out, summed over the epochs; the bins span the scores"
         ax = self._axes(ax)
-        rows, edges = getattr(self, 'prune_hist', []), torch.logspace(*(math.log10(v) for v in self.hist_range), self.hist_bins + 1)
+        h = getattr(self, 'prune_scores', None) or DataRangeHistogram(self.hist_bins, 2)
+        rows, span = self.prune_hist, h.occupied()
         for k, c in (('kept', 'C0'), ('left_out', 'C3')):
             counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
-            ax.stairs(counts.numpy(), edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
-        ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision', ylabel='examples',
+            ax.stairs(counts.numpy(), h.edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
+        ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision' + self._outside_note(h), ylabel='examples (draws)',
                title=f'What {len(rows)} pruned epoch(s) kept and left out')
+        if span: ax.set_xlim(*span)
         ax.legend(loc='best', fontsize='small')
         self._note_if_empty(ax, not rows, 'no pruned epoch yet')
         return ax.figure
@@ -315,7 +350,7 @@ class SamplerPruningCallback(LossFilterBase):
         axs = rows[0].subplots(1, 3)
         self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
         if probe: probe.plot_probe(rows[1].subplots(1, 4))
-        fig.suptitle(type(self).__name__)
+        fig.suptitle(self.diagnostics_title())
         return fig
 
 # %% ../nbs/05_sampler.ipynb #3beb3e20

@@ -10,7 +10,7 @@ from scipy import stats as _st
 from .core import check_range
 
 # %% auto #0
-__all__ = ['TYPICAL_LOG_SD', 'paired_test', 'shown', 'power', 'seeds_needed', 'simulate']
+__all__ = ['TYPICAL_LOG_SD', 'paired_test', 'shown', 'power', 'seeds_needed', 'curve_test', 'simulate']
 
 # %% ../nbs/08a_stats.ipynb #c0257dd5
 def _clean(xs) -> list: return [float(x) for x in xs if x is not None and math.isfinite(x)]
@@ -60,6 +60,27 @@ def seeds_needed(effect:float, sd:float, alpha:float=.05, target_power:float=.8,
 
 # %% ../nbs/08a_stats.ipynb #27d706ed
 TYPICAL_LOG_SD = .15   # the standard deviation over seeds of a method's log work ratio to training less, on the benchmark presets
+
+# %% ../nbs/08a_stats.ipynb #54392b9e
+def curve_test(diffs:list, # one difference per seed: the method's value minus the fitted curve's value at its work
+               curve_var:float, # the variance of the curve's value there (its estimation error)
+               curve_df:float, # the degrees of freedom of `curve_var`
+               alpha:float=.05 # the one-sided level; the interval is two-sided at `1 - 2*alpha`
+              ) -> dict|None:
+    "Welch's t interval and one-sided tests of the mean of `diffs` against 0, counting the fitted curve's own variance; None without any"
+    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
+    xs = _clean(diffs)
+    if not xs: return None
+    n, m = len(xs), sum(xs) / len(xs)
+    res = dict(n=n, est=m, null=0., alpha=alpha, level=1 - 2 * alpha, ratio=False, lo=None, hi=None, sd=None, p_above=None, p_below=None, df=None)
+    if n < 2: return res   # one seed: no spread of the method, no test
+    sd = float(np.std(xs, ddof=1))
+    a, b = sd ** 2 / n, max(float(curve_var), 0.)
+    se = math.sqrt(a + b)
+    df = (a + b) ** 2 / (a ** 2 / (n - 1) + (b ** 2 / curve_df if b and curve_df else 0.)) if a + b > 0 else float(n - 1)
+    if se == 0: return res | dict(lo=m, hi=m, sd=sd, df=df, p_above=0. if m > 0 else 1., p_below=0. if m < 0 else 1.)
+    t, tq = m / se, float(_st.t.ppf(1 - alpha, df))
+    return res | dict(lo=m - tq * se, hi=m + tq * se, sd=sd, df=df, p_above=float(_st.t.sf(t, df)), p_below=float(_st.t.cdf(t, df)))
 
 # %% ../nbs/08a_stats.ipynb #b99315af
 def simulate(n_seeds:int, effect:float=0., sd:float=TYPICAL_LOG_SD, alpha:float=.05, draws:int=4000, seed:int=0,

@@ -7,13 +7,15 @@ from __future__ import annotations
 import math, statistics
 from .batch import LossFilterCallback, RandomBatchCallback
 from .sampler import SamplerPruningCallback, RandomPruningCallback
-from .runs import parse_method, time_to_target
-from .stats import paired_test, shown, seeds_needed, TYPICAL_LOG_SD
+from .runs import parse_method, judged_method, time_to_target, RetiredMethod
+from .stats import paired_test, curve_test, shown, seeds_needed, TYPICAL_LOG_SD
 
 # %% auto #0
-__all__ = ['per_seed', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control', 'control_specs',
-           'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'points_text', 'seeds_text',
-           'payoff_test', 'payoff_word', 'payoff_line', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
+__all__ = ['per_seed', 'default_drop', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control',
+           'control_specs', 'plain_curve', 'curve_at', 'curve_work', 'equal_work', 'mult_text', 'knee_target',
+           'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text', 'seeds_text',
+           'payoff_test', 'payoff_word', 'equal_work_text', 'target_text', 'payoff_line', 'verdict_lines', 'ci_level',
+           'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -41,13 +43,18 @@ def _ci(test:dict|None) -> tuple|None: return (test['lo'], test['hi']) if test a
 # (ratio, figure): each run's figure over the same seed's baseline's, `baseline / method`, so > 1 means the method is faster
 _paired = dict(target_x='target_s', total_x='train_s', work_x='work_to_target', work_total_x='work')
 
-def summarise(runs:list, target:float|None=None, target_drop:float=.002, alpha:float=.05) -> tuple:
-    "Median and spread per method of every figure, time and work to `target`, and paired speedups over the same seed's baseline with a t interval at `1 - 2*alpha`"
+def default_drop(plain_value:float) -> float:
+    "The default target's distance under the plain model's final value: 0.2 points of a share metric, 0.2% of the value of any other"
+    return .002 * max(1., abs(plain_value))
+
+def summarise(runs:list, target:float|None=None, target_drop:float|None=None, alpha:float=.05) -> tuple:
+    "Median and spread per method of every figure, time and work to `target` (default the plain model's median final value less `target_drop`, `default_drop` when None), and paired speedups over the same seed's baseline with a t interval at `1 - 2*alpha`"
     methods = list(dict.fromkeys(r['method'] for r in runs))
     base = [r for r in runs if r['method'] == 'baseline']
     if target is None:
         if not base: raise ValueError("without a `baseline` method the `target` accuracy must be given")
-        target = _med([r['final_accuracy'] for r in base])[0] - target_drop
+        med = _med([r['final_accuracy'] for r in base])[0]
+        target = med - (default_drop(med) if target_drop is None else target_drop)
     for r in runs:
         r['target_s'] = time_to_target(r['history'], target)
         r['work_to_target'] = time_to_target(r['history'], target, 'work') if 'work' in r else None
@@ -67,20 +74,21 @@ def summarise(runs:list, target:float|None=None, target_drop:float=.002, alpha:f
         row['work_x_ci'] = _ci(row['work_x_test'])
         row['reached'] = sum(r['target_s'] is not None for r in rs)
         row['unpaired'] = sum(_pair(r) not in by_seed for r in rs)   # runs with no baseline of their own seed: no paired ratio, so no test
-        row['never_filtered'] = parse_method(m).filters and all(r['mean_samp_perc'] >= 1 for r in rs)
+        row['never_filtered'] = judged_method(m).filters and all(r['mean_samp_perc'] >= 1 for r in rs)
         rows.append(row)
     return rows, target
 
 # %% ../nbs/09_verdicts.ipynb #8a6e553e
-def budget_specs(epochs:int, fracs:str='.5 .6 .7 .8 .9') -> list:
-    "The equal-compute control: the plain baseline on shorter one-cycle schedules, at these shares of `epochs`"
-    ks = sorted({max(1, round(float(f) * epochs)) for f in fracs.split()})
-    return [f'baseline:epochs={k}' for k in ks if k < epochs]
+def budget_specs(epochs:int, fracs:str|list='.5 .6 .7 .8 .9') -> list:
+    "The equal-compute control: the plain baseline on other one-cycle schedules, at these shares of `epochs` (above 1: longer, so the curve reaches past the full schedule)"
+    fracs = fracs.split() if isinstance(fracs, str) else list(fracs)
+    ks = sorted({max(1, round(float(f) * epochs)) for f in fracs})
+    return [f'baseline:epochs={k}' for k in ks if k != epochs]
 
 def matched_control(spec:str, runs:list) -> str|None:
     "The random control at the share `spec`'s runs really kept, with the same rate raise: `random` for a sampler pruner, `random_batch` for a batch filter"
-    _, cls, kw, run = parse_method(spec)
-    if cls is None or issubclass(cls, (RandomPruningCallback, RandomBatchCallback)): return None
+    _, cls, kw, run = judged_method(spec)
+    if cls is None or issubclass(cls, (RandomPruningCallback, RandomBatchCallback, RetiredMethod)): return None
     rs, cb = [r for r in runs if r['method'] == spec], cls(**kw)
     sched = ''.join(f',{k}={v}' for k, v in run.items() if k != 'proxy')   # the method's own run settings (epochs, rate); the choice is blind, so no proxy
     if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
@@ -94,7 +102,7 @@ def matched_control(spec:str, runs:list) -> str|None:
 
 def rate_control(spec:str, runs:list) -> str|None:
     "The plain baseline at the mean rate multiplier `spec`'s filter applied, for a filter that changes the learning rate; else None"
-    _, cls, _, run = parse_method(spec)
+    _, cls, _, run = judged_method(spec)
     mults = [r['lr_mult'] for r in runs if r['method'] == spec and 'lr_mult' in r]
     if cls is None or not mults or abs(statistics.fmean(mults) - 1) < 1e-3: return None   # a plain run's own rate is no change
     m = statistics.fmean(mults) * run.get('lr_mult', 1)
@@ -113,22 +121,113 @@ def control_specs(control_of:dict) -> list:
     methods = {m for m, cs in control_of.items() if cs}
     return list(dict.fromkeys(c for cs in control_of.values() for c in cs if c not in methods))
 
-# %% ../nbs/09_verdicts.ipynb #80efd153
+# %% ../nbs/09_verdicts.ipynb #617fd82c
 _WORDS = {'above': 'beats', 'below': 'loses', 'not shown': 'no difference shown', None: 'no verdict (1 seed)'}
 
+def _pava(pts:list) -> list:
+    "Pool adjacent points `[work, value, n]` (sorted by work) wherever the value falls, weighting by `n`: a curve that never falls"
+    out = []
+    for w, v, n in pts:
+        out.append([w, v, n])
+        while len(out) > 1 and out[-1][1] < out[-2][1]:
+            (w1, v1, n1), (w0, v0, n0) = out.pop(), out.pop()
+            out.append([(w0 * n0 + w1 * n1) / (n0 + n1), (v0 * n0 + v1 * n1) / (n0 + n1), n0 + n1])
+    return [tuple(p) for p in out]
+
+def plain_curve(runs:list, # the runs of a comparison
+                plain:list # the plain schedules' method names (`baseline` and the budgets)
+               ) -> dict|None:
+    "The plain model's final value against work over every seed: `points` `[(work, value, n)]` that never fall, `var` the runs' pooled variance about their schedule's mean, `df` its degrees of freedom"
+    by = {}
+    for r in runs:
+        if r['method'] in plain and r.get('work') is not None: by.setdefault(r['method'], []).append((r['work'], r['final_accuracy']))
+    if len(by) < 2: return None
+    pts = sorted((statistics.fmean(w for w, _ in xs), statistics.fmean(a for _, a in xs), len(xs)) for xs in by.values())
+    ss = sum(sum((a - statistics.fmean(b for _, b in xs)) ** 2 for _, a in xs) for xs in by.values())
+    df = sum(len(xs) - 1 for xs in by.values())
+    return dict(points=_pava(pts), var=ss / df if df else 0., df=df)
+
+def curve_at(curve:dict, work:float) -> tuple:
+    "The curve's value at `work` (interpolated) and that value's variance; `(None, None)` outside the plain schedules' range of work"
+    pts = curve['points']
+    if len(pts) == 1 or not pts[0][0] - 1e-9 <= work <= pts[-1][0] + 1e-9: return None, None
+    for (w0, v0, n0), (w1, v1, n1) in zip(pts, pts[1:]):
+        if work <= w1 + 1e-9:
+            f = min(1., max(0., (work - w0) / (w1 - w0))) if w1 > w0 else 1.
+            return v0 + f * (v1 - v0), curve['var'] * ((1 - f) ** 2 / n0 + f ** 2 / n1)
+
+def curve_work(curve:dict, value:float) -> tuple:
+    "The work at which the curve first reaches `value`, and `'above'` (at least this work: the curve never gets there) or `'below'` (at most: its first point is already there), else None"
+    pts = curve['points']
+    if value > pts[-1][1] + 1e-12: return pts[-1][0], 'above'
+    if value <= pts[0][1]: return pts[0][0], 'below'
+    for (w0, v0, _), (w1, v1, _) in zip(pts, pts[1:]):
+        if v0 < value <= v1: return w0 + (value - v0) / (v1 - v0) * (w1 - w0), None
+
+def _interp(curve:list, t:float) -> tuple:
+    "Value (and spread) of a budget curve `[(cost, value, spread)]` at cost `t`; None outside its range"
+    if not curve or not curve[0][0] - 1e-9 <= t <= curve[-1][0] + 1e-9: return None, None
+    for (t0, a0, s0), (t1, a1, s1) in zip(curve, curve[1:]):
+        if t <= t1 + 1e-9: return a0 + (a1 - a0) * (min(1., max(0., (t - t0) / (t1 - t0))) if t1 > t0 else 1.), max(s0, s1)
+    return curve[-1][1], curve[-1][2]
+
+def _own_value(run:dict, runs:list, plain:list):
+    "The plain value at `run`'s work read off its own seed's plain runs (interpolated between two schedules); None where they do not span its work"
+    own = sorted((x['work'], x['final_accuracy'], 0.) for x in runs if _pair(x) == _pair(run) and x['method'] in plain and x.get('work') is not None)
+    return _interp(own, run['work'])[0] if len(own) > 1 else None
+
+def equal_work(runs:list, # the runs of a comparison
+               method:str, # the method judged
+               plain:list, # the plain schedules' method names (`baseline` and the budgets)
+               alpha:float=.05, # the level of the test
+               curve:dict|None=None # `plain_curve(runs, plain)`, when already made
+              ) -> dict|None:
+    "The method's final value against training less at its work (`diff`, interval, verdict, over its seeds), and the same as a work multiplier `x` read off the fitted plain curve, with its interval"
+    curve = curve or plain_curve(runs, plain)
+    ms = [r for r in runs if r['method'] == method and r.get('work') is not None]
+    if not ms or curve is None: return None
+    work = statistics.fmean(r['work'] for r in ms)
+    base, var = curve_at(curve, work)
+    if base is None: return None   # the method's work lies outside the plain schedules' range: no curve to read there
+    paired = per_seed([(r.get('seed'), None if (c := _own_value(r, runs, plain)) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
+    if None not in paired: t, how = paired_test(paired, alpha), 'paired'   # each seed against its own plain runs: the seed's luck cancels
+    else:   # a seed without its own plain runs at that work: against the curve over every seed, its own error counted
+        diffs = per_seed([(r.get('seed'), None if (c := curve_at(curve, r['work'])[0]) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
+        if None in diffs: return None
+        t, how = curve_test(diffs, var, curve['df'], alpha), 'fitted curve'
+    mult = lambda d: (lambda w, c: (w / work, c))(*curve_work(curve, base + d))
+    x, xc = mult(t['est'])
+    (lo, loc), (hi, hic) = (mult(t['lo']), mult(t['hi'])) if t['lo'] is not None else ((None, None), (None, None))
+    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)], how=how,
+                work=work, curve_value=base, x=x, x_censored=xc, x_lo=lo, x_lo_censored=loc, x_hi=hi, x_hi_censored=hic)
+
+def mult_text(x:float|None, censored:str|None=None) -> str:
+    "A work multiplier as `'1.23x'`, `'≥1.40x'` where the plain curve never gets there, `'≤0.56x'` where its first point already does"
+    return '-' if x is None else {'above': '≥', 'below': '≤'}.get(censored, '') + f'{x:.2f}x'
+
+# %% ../nbs/09_verdicts.ipynb #d01f2cf5
+def knee_target(runs:list # reference runs of the plain model (same checks), on seeds the comparison does not judge
+               ) -> dict:
+    "The target right after the knee of the reference runs' mean curve: `target` (oriented), the check's `epoch` and `work`, and the reference seeds' work to it"
+    hs = [[e for e in r['history'] if e.get('accuracy') is not None] for r in runs]
+    if not hs or min(map(len, hs)) < 3: raise ValueError("`knee_target` needs reference runs with at least three checks each")
+    n = min(map(len, hs))
+    key = 'work' if all('work' in e for h in hs for e in h) else 'epoch'
+    mw = [statistics.fmean(h[k][key] for h in hs) for k in range(n)]
+    mv = [statistics.fmean(h[k]['accuracy'] for h in hs) for k in range(n)]
+    sx, sy = (mw[-1] - mw[0]) or 1., (mv[-1] - mv[0]) or 1.
+    knee = max(range(n), key=lambda k: (mv[k] - mv[0]) / sy - (mw[k] - mw[0]) / sx)
+    k = min(knee + 1, n - 1)   # right after the knee
+    work = [time_to_target(h, mv[k], key) for h in hs]
+    return dict(target=mv[k], epoch=hs[0][k].get('epoch'), work=mw[k], seeds=len(hs), reference_work=work)
+
+# %% ../nbs/09_verdicts.ipynb #80efd153
 def _acc_test(diffs:list, alpha:float) -> dict|None:
     "Paired differences of final value tested at `alpha`: the mean, its interval, the verdict word; None where a seed has no difference (no test over the others alone)"
     if None in diffs: return None
     t = paired_test(diffs, alpha)
     if t is None: return None
-    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)])
-
-def _interp(curve:list, t:float) -> tuple:
-    "Value (and spread) of a budget curve `[(cost, value, spread)]` at cost `t`; None below its cheapest point"
-    if not curve or t < curve[0][0]: return None, None
-    if t >= curve[-1][0]: return curve[-1][1], curve[-1][2]   # more than the longest plain schedule: compare with it
-    for (t0, a0, s0), (t1, a1, s1) in zip(curve, curve[1:]):
-        if t0 <= t <= t1: return a0 + (a1 - a0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.), max(s0, s1)
+    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)])
 
 def best_plain(rows:list, plain:list, target:float) -> dict:
     "The cheapest plain schedule to `target`, in training seconds and in work: the plain runs' costs to it, and where the budget curve crosses it"
@@ -144,17 +243,27 @@ def best_plain(rows:list, plain:list, target:float) -> dict:
     return dict(work=min(work, default=None), train_s=min(time_, default=None))
 
 def _vs_best_plain_by_seed(r:dict, runs:list, plain:list, target:float):
-    "The method's paired ratios to the cheapest plain schedule of each seed: (work ratios, time ratios), one per seed"
-    work, time_ = [], []
+    "The method's ratios to the cheapest plain schedule of each seed, in work and in time, and whether each seed's is censored (the method missed the target: its ratio is at most the one shown)"
+    work, time_, missed = [], [], []
     for run in (x for x in runs if x['method'] == r['method']):
         mine = [x for x in runs if _pair(x) == _pair(run)]
         best = best_plain(mine, plain, target)
         if best['work'] is None:   # no plain schedule of this seed got there: its longest one's cost is a lower bound
-            longest = max((x for x in mine if x['method'] in plain), key=lambda x: x['work'], default=None)
+            longest = max((x for x in mine if x['method'] in plain and x.get('work') is not None), key=lambda x: x['work'], default=None)
             if longest is not None: best = dict(work=longest['work'], train_s=longest['train_s'])
-        work.append((run.get('seed'), _ratio(best['work'], run.get('work_to_target'))))
-        time_.append((run.get('seed'), _ratio(best['train_s'], run.get('target_s'))))
-    return per_seed(work), per_seed(time_)
+        miss = run.get('work_to_target') is None
+        work.append((run.get('seed'), _ratio(best['work'], run.get('work') if miss else run.get('work_to_target'))))
+        time_.append((run.get('seed'), _ratio(best['train_s'], run.get('train_s') if miss else run.get('target_s'))))
+        missed.append((run.get('seed'), float(miss)))
+    return per_seed(work), per_seed(time_), [m > 0 for m in per_seed(missed, ratio=False)]
+
+def _censored_median(xs:list, censored:list) -> tuple:
+    "The median of `xs` where a censored value is at most what it shows (it sorts below every uncensored one), and whether the median is such a bound"
+    order = sorted(zip(xs, censored), key=lambda p: (not p[1], p[0]))
+    n = len(order)
+    if n % 2: return order[n // 2]
+    (a, ca), (b, cb) = order[n // 2 - 1], order[n // 2]
+    return (a * b) ** .5, ca or cb
 
 def _paired_diffs(m:str, other, runs:list) -> list:
     "Per seed, the final value of `m`'s run minus `other(run, same_seed_runs)` (None where there is none)"
@@ -164,40 +273,40 @@ def _paired_diffs(m:str, other, runs:list) -> list:
         out.append((run.get('seed'), None if o is None else run['final_accuracy'] - o))
     return per_seed(out, ratio=False)
 
-def _plain_curve_value(run:dict, mine:list, plain:list):
-    "The same seed's plain budget curve at `run`'s work"
-    curve = sorted((x['work'], x['final_accuracy'], 0.) for x in mine if x['method'] in plain and x.get('work') is not None)
-    return _interp(curve, run['work'])[0] if len(curve) > 1 and run.get('work') is not None else None
-
 def _run_of(method:str):
     "The final value of `method`'s run among the same seed's runs"
     return lambda run, mine: next((x['final_accuracy'] for x in mine if x['method'] == method), None)
 
+def _second_reading(r:dict, runs:list, plain:list, target:float, alpha:float):
+    "Time to the target against the cheapest plain schedule, seed by seed: a run that misses the target is censored (it would need more work than it did), never a verdict by itself"
+    w, t, missed = _vs_best_plain_by_seed(r, runs, plain, target)
+    if None in w: return
+    r['vs_best_plain_work_test'] = paired_test(w, alpha, ratio=True) if not any(missed) else None
+    r['vs_best_plain_work_x'], r['target_censored'] = _censored_median(w, missed) if any(missed) else (_gmean(w)[0], False)
+    r['vs_best_plain_x'] = _gmean(t)[0] if None not in t and not any(missed) else None
+    r['vs_best_plain_work_ci'] = _ci(r['vs_best_plain_work_test'])
+
 def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:float|None=None, runs:list|None=None,
-                 alpha:float=.05, margin:float=.002) -> list:
-    "Each method against the cheapest plain schedule to `target`, the budget curve at its work, its random control and the plain model, tested over seeds at `alpha` (paired by seed when `runs` are given)"
+                 alpha:float=.05, margin:float=.002, unit:str='points') -> list:
+    "Each method at equal work against the plain curve (the first reading), to `target` against the cheapest plain schedule (the second), against its random control and the plain model, tested over seeds at `alpha`"
     by = {r['method']: r for r in rows}
     plain = [m for m in ['baseline', *budgets] if m in by]
-    curve = sorted((by[m]['work'], by[m]['final_accuracy'], 0.) for m in plain if by[m].get('work') is not None)
+    pcurve = sorted((by[m]['work'], by[m]['final_accuracy'], 0.) for m in plain if by[m].get('work') is not None)
     controls = control_specs(control_of)
+    fitted = plain_curve(runs, plain) if runs else None
     best = best_plain(rows, plain, target) if target is not None and len(plain) > 1 else None
     for r in rows:
         m = r['method']
-        r['alpha'] = alpha
+        r['alpha'], r['unit'] = alpha, unit
         if best is not None:
-            if runs:
-                w, t = _vs_best_plain_by_seed(r, runs, plain, target)
-                r['vs_best_plain_work_test'] = paired_test(w, alpha, ratio=True) if None not in w else None
-                r['vs_best_plain_work_x'] = _gmean(w)[0] if None not in w else None
-                r['vs_best_plain_x'] = _gmean(t)[0] if None not in t else None
-                r['vs_best_plain_work_ci'] = _ci(r['vs_best_plain_work_test'])
+            if runs: _second_reading(r, runs, plain, target, alpha)
             else:   # one row per method, no seeds: the ratios without a test
                 r['vs_best_plain_work_x'] = _ratio(best['work'], r.get('work_to_target'))
                 r['vs_best_plain_x'] = _ratio(best['train_s'], r.get('target_s'))
         if m in plain or m in controls: continue
         rand = next((c for c in control_of.get(m, []) if c.startswith('random')), None)
         if runs:
-            if len(plain) > 1: r['vs_budget'] = _acc_test(_paired_diffs(m, lambda run, mine: _plain_curve_value(run, mine, plain), runs), alpha)
+            if fitted is not None and (ew := equal_work(runs, m, plain, alpha, fitted)): r['vs_budget'] = ew
             for k, c in (('vs_random', rand), ('vs_self', self_scored_control(m))):   # None where a seed lacks the control's run
                 if c in by and c in control_of.get(m, []) and (t := _acc_test(_paired_diffs(m, _run_of(c), runs), alpha)): r[k] = t | dict(control=c)
             if 'baseline' in by:
@@ -205,22 +314,22 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
                 r['vs_plain'] = _acc_test(d, alpha)
                 held = shown(paired_test(d, alpha, null=-margin))
                 if r['vs_plain']: r['vs_plain'].update(margin=margin, holds=None if held is None else held == 'above')
-            for k in ('vs_budget', 'vs_random', 'vs_plain', 'vs_self'):
+            for k in ('vs_random', 'vs_plain', 'vs_self'):
                 if k in r and r[k] is None: del r[k]
         else:   # medians only: the differences, without a test
             untested = lambda diff: dict(diff=diff, lo=None, hi=None, n=1, level=1 - 2 * alpha, alpha=alpha, verdict='no verdict (no per-seed runs)')
-            if len(curve) > 1 and r.get('work') is not None and (acc := _interp(curve, r['work'])[0]) is not None:
+            if len(pcurve) > 1 and r.get('work') is not None and (acc := _interp(pcurve, r['work'])[0]) is not None:
                 r['vs_budget'] = untested(r['final_accuracy'] - acc)
             if rand in by: r['vs_random'] = untested(r['final_accuracy'] - by[rand]['final_accuracy']) | dict(control=rand)
     return rows
 
 def _why_apart(r:dict, base:dict) -> str:
     "Why a method's wall-clock ratio and its work ratio disagree"
-    _, cls, kw, _ = parse_method(r['method'])
+    _, cls, kw, _ = judged_method(r['method'])
     per = (r['train_s'] / r['work']) / (base['train_s'] / base['work'])   # wall-clock per unit of work, against the baseline's
     if cls is not None and issubclass(cls, LossFilterCallback) and not kw.get('fill_batch'):
         why = "its steps on the kept part of a batch are not proportionally cheaper (fixed per-step costs: optimiser, callbacks, Python)"
-    elif cls is not None and issubclass(cls, LossFilterCallback): why = "its scoring pass and pooling cost more or less than the measured ratio says"
+    elif cls is not None and issubclass(cls, LossFilterCallback): why = "its scoring pass and pooling cost more or less than the work count says"
     else: why = "fixed per-step and per-epoch costs, and the machine's load, are not in the work count"
     return f"each unit of its work took {per:.2f}x the baseline's seconds: {why}"
 
@@ -240,54 +349,72 @@ def _ci_x(test:dict|None) -> str:
     "`', 90% CI 1.10-1.52x'` for a test with an interval, else ''"
     return f", {pct_text(test['level'])} CI {test['lo']:.2f}-{test['hi']:.2f}x" if test and test.get('lo') is not None else ''
 
-def points_text(v:dict, what:str) -> str:
-    "An accuracy verdict `v` in words: the mean difference in points, its interval and the verdict"
-    ci = f", {pct_text(v['level'])} CI {v['lo'] * 100:+.2f} to {v['hi'] * 100:+.2f}" if v.get('lo') is not None else ''
-    return f"{v['diff'] * 100:+.2f} points against {what}{ci} ({v['verdict']})"
+def diff_text(d:float, unit:str='points') -> str:
+    "A difference of the metric, + better: `'+0.36 points'` for a share metric (accuracy, error rate), else in the metric's own units (`'+0.78 rmse'`)"
+    return f"{d * 100:+.2f} points" if unit == 'points' else f"{d:+.4g} {unit}"
+
+def points_text(v:dict, what:str, unit:str='points') -> str:
+    "An accuracy verdict `v` in words: the mean difference in the metric's units (points for a share), its interval and the verdict"
+    f = (lambda d: f"{d * 100:+.2f}") if unit == 'points' else (lambda d: f"{d:+.4g}")
+    ci = f", {pct_text(v['level'])} CI {f(v['lo'])} to {f(v['hi'])}" if v.get('lo') is not None else ''
+    return f"{diff_text(v['diff'], unit)} against {what}{ci} ({v['verdict']})"
 
 def seeds_text(n:int) -> str: return f"{n} seed{'s' if n != 1 else ''}"
 
 def payoff_test(r:dict, has_budgets:bool) -> tuple:
-    "The work ratio to the target a payoff is judged on, and its test"
+    "The second reading: the work ratio to the target, and its test (against the cheapest plain schedule, or the plain model without budgets)"
     return (r.get('vs_best_plain_work_x'), r.get('vs_best_plain_work_test')) if has_budgets else (r.get('work_x'), r.get('work_x_test'))
 
-def payoff_word(r:dict, has_budgets:bool) -> str:
-    "The payoff in a word or two: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'misses the target', 'never filtered', 'unpaired' or 'no work to compare'"
-    if r.get('never_filtered'): return 'never filtered'
-    if r.get('unpaired'): return 'unpaired'
-    if r.get('reached', 0) < r.get('repeats', 1): return 'misses the target'
-    x, t = payoff_test(r, has_budgets)
-    if x is None or t is None: return 'no work to compare'
-    return {'above': 'pays', 'below': 'does not pay', 'not shown': 'no gain shown', None: 'no verdict (1 seed)'}[shown(t)]
+_PAYS = {'beats': 'pays', 'loses': 'does not pay', 'no difference shown': 'no gain shown', 'no verdict (1 seed)': 'no verdict (1 seed)',
+         'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)'}
 
-def payoff_line(r:dict, has_budgets:bool) -> str:
-    "Whether the method in row `r` pays on this data, in one line: less work to the target than training less, at the row's level over its seeds"
-    m, a = r['method'], r.get('alpha', .05)
-    what = 'the cheapest plain schedule (training less)' if has_budgets else 'the plain model (training less was not run)'
-    tail = f"; at equal work {points_text(r['vs_budget'], 'training less')}" if r.get('vs_budget') else ''
-    word, (x, t) = payoff_word(r, has_budgets), payoff_test(r, has_budgets)
+def payoff_word(r:dict, has_budgets:bool=True) -> str:
+    "The first reading in a word or two, at equal work against training less: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'never filtered', or why there is no reading"
+    if r.get('never_filtered'): return 'never filtered'
+    if not has_budgets: return 'no verdict (no other plain schedule)'
+    if not r.get('vs_budget'): return 'no verdict (work outside the plain schedules)'
+    return _PAYS[r['vs_budget']['verdict']]
+
+def equal_work_text(v:dict, unit:str='points') -> str:
+    "The first reading in words: the difference at equal work against training less, and the same as a work multiplier"
+    s = points_text(v, 'training less at equal work', unit)
+    if v.get('x') is not None:
+        ci = f", {pct_text(v['level'])} CI {mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else ''
+        s += f"; training less needs {mult_text(v['x'], v['x_censored'])} its work to match it{ci}"
+    return s
+
+def target_text(r:dict, has_budgets:bool) -> str:
+    "The second reading in words: work to the target against the cheapest plain schedule, a miss censored"
+    x, t = payoff_test(r, has_budgets)
+    if x is None: return ''
+    what = 'the cheapest plain schedule' if has_budgets else 'the plain model'
+    reached = f"reached in {r.get('reached', 0)} of {r.get('repeats', 1)} runs"
+    if r.get('target_censored'): return f"to the target: {reached}; {what} needed at most {x:.2f}x its work (median over seeds, a miss counted as at most its whole work)"
+    return f"to the target: {reached}; {what} needed {x:.2f}x its work{_ci_x(t)}"
+
+def payoff_line(r:dict, has_budgets:bool=True) -> str:
+    "Whether the method in row `r` pays on this data, in one line: the first reading (at equal work against training less), then random choice, then time to the target"
+    m, a, unit = r['method'], r.get('alpha', .05), r.get('unit', 'points')
+    word, v = payoff_word(r, has_budgets), r.get('vs_budget')
+    second = target_text(r, has_budgets)
+    tail = f"; {second}" if second else ''
     if word == 'never filtered': return f"{m}: never filtered (the fit is too short for its schedule)"
-    if word == 'unpaired': return f"{m}: no verdict: {r['unpaired']} of its runs have no plain run of their own seed to be paired with (run the baseline on every seed)"
-    if word == 'misses the target':
-        return (f"{m}: does not pay here: it reached the target in {r.get('reached', 0)} of {r.get('repeats', 1)} runs "
-                f"(no test at {pct_text(a)} without its work to the target in every seed){tail}")
-    if word == 'no work to compare': return f"{m}: no verdict: no work to the target to compare"
-    if word == 'no verdict (1 seed)':   # no spread, so no level can be reached whatever the result
-        k = seeds_needed(math.log(x), TYPICAL_LOG_SD, a) if x > 1 else None
-        return (f"{m}: no verdict from 1 seed: {x:.2f}x less work to the target than {what}; no level can be shown without a spread "
-                f"over seeds: run {k or 2} or more" + (" (a gain of this size at the spread measured on the benchmark presets)" if k else ''))
-    head = f"at {pct_text(a)} ({seeds_text(t['n'])})"
+    if word == 'no verdict (no other plain schedule)': return f"{m}: no verdict: training less was not run, so there is no plain curve to read at its work{tail}"
+    if word == 'no verdict (work outside the plain schedules)':
+        return f"{m}: no verdict: its work lies outside the plain schedules' range (add shorter or longer budgets){tail}"
+    if word.startswith('no verdict'):
+        return f"{m}: no verdict from {seeds_text(v['n'])}: at equal work {diff_text(v['diff'], unit)} against training less; run 5 or more seeds for a test{tail}"
+    head = f"at {pct_text(a)} ({seeds_text(v['n'])})"
     rand = r.get('vs_random')
-    if word == 'pays':
-        why = ("; but random choice at its share ends more accurate, so the saving is not its choice of examples" if rand['verdict'] == 'loses' else
-               "; not shown more accurate than random choice at its share" if rand['verdict'] != 'beats' else
-               "; and it ends more accurate than random choice at its share") if rand else ''
-        return f"{m}: pays {head}: {x:.2f}x less work to the target than {what}{_ci_x(t)}{why}{tail}"
-    if word == 'does not pay': return f"{m}: does not pay {head}: {x:.2f}x against {what}{_ci_x(t)}, which gets to the target with less work{tail}"
-    k = seeds_needed(math.log(x), t['sd'], a) if x > 1 and t['sd'] else None
-    plan = (f"; {seeds_text(t['n'])} cannot show a gain of this size at this spread: run {k}" if k else
-            "; a gain of this size at this spread would need more than 100 seeds" if x > 1 and t['sd'] else '')
-    return f"{m}: no gain shown {head}: {x:.2f}x against {what}{_ci_x(t)}{plan}{tail}"
+    why = ''
+    if rand and word == 'pays':
+        why = ("; but random choice at its share ends more accurate, so the gain is not its choice of examples" if rand['verdict'] == 'loses' else
+               "; not shown more accurate than random choice at its share" if rand['verdict'] != 'beats' else "; and it ends more accurate than random choice at its share")
+    plan = ''
+    if word == 'no gain shown' and v['diff'] > 0 and v.get('sd'):
+        k = seeds_needed(v['diff'], v['sd'], a)
+        plan = f"; a gain of this size at this spread needs about {k} seeds" if k else "; a gain of this size at this spread would need more than 100 seeds"
+    return f"{m}: {word} {head}: {equal_work_text(v, unit)}{why}{plan}{tail}"
 
 def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
     "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls, by work and by wall-clock"
@@ -295,19 +422,20 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
     base = by.get('baseline')
     controls = control_specs(control_of)
     for r in rows:
-        m = r['method']
+        m, unit = r['method'], r.get('unit', 'points')
         if m == 'baseline' or m in budgets or m in controls: continue
         if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
         s = (f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
-             f"work to it {ratio_text(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} the baseline's and {ratio_text(r.get('vs_best_plain_work_x'))}"
-             f"{_ci_x(r.get('vs_best_plain_work_test'))} the cheapest plain schedule's; wall-clock {ratio_text(r.get('target_x'))} and {ratio_text(r.get('vs_best_plain_x'))}")
-        for k, what in (('vs_plain', 'the plain model'), ('vs_budget', 'training less at equal work'), ('vs_random', 'random choice at its share'),
-                        ('vs_self', 'the same filter scored by the model itself')):
-            if r.get(k): s += f"; final value {points_text(r[k], what)}"
+             f"to get there the plain model needed {ratio_text(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} its work and the cheapest plain schedule "
+             f"{'at most ' if r.get('target_censored') else ''}{ratio_text(r.get('vs_best_plain_work_x'))}{_ci_x(r.get('vs_best_plain_work_test'))} "
+             f"(wall-clock {ratio_text(r.get('target_x'))} and {ratio_text(r.get('vs_best_plain_x'))}; above 1x the method needs less)")
+        if r.get('vs_budget'): s += f"; final value {equal_work_text(r['vs_budget'], unit)}"
+        for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'), ('vs_self', 'the same filter scored by the model itself')):
+            if r.get(k): s += f"; final value {points_text(r[k], what, unit)}"
         if r.get('vs_plain', {}).get('holds') is not None:
-            s += f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within {r['vs_plain']['margin'] * 100:.2f} points of the plain model"
+            s += f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within {diff_text(r['vs_plain']['margin'], unit).lstrip('+')} of the plain model"
         for c in control_of.get(m, []):
-            if c in by and c.startswith('baseline'): s += f"; {(r['final_accuracy'] - by[c]['final_accuracy']) * 100:+.2f} points against `{c}`, its rate raise without the selection (medians)"
+            if c in by and c.startswith('baseline'): s += f"; {diff_text(r['final_accuracy'] - by[c]['final_accuracy'], unit)} against `{c}`, its rate raise without the selection (medians)"
         out.append(s)
         wx, tx = r.get('work_x'), r.get('target_x')
         if base and wx and tx and abs(math.log(wx / tx)) > math.log(1.1) and r.get('work') and base.get('work'):

@@ -46,8 +46,10 @@ def test_exact_work_on_a_tiny_run():
     plain = plain_epoch_size(450, 64, True)
     assert plain == 448 and base['trained'] == 2 * plain and base['work'] == 2.
     assert half['trained'] == plain + 7 * 32 and half['scored'] == 7 * 64   # every batch of its filtered epoch scored, half kept
-    assert half['work'] == pytest.approx((plain + 7 * 32 + .25 * 7 * 64) / plain)
-    assert cmp.table.loc['random_batch:keep=.5,skip_epochs=1', 'work'] == pytest.approx(1.75)
+    assert half['work'] == pytest.approx((plain + 7 * 32) / plain)   # random choice needs no score: its scoring pass is not charged
+    assert cmp.table.loc['random_batch:keep=.5,skip_epochs=1', 'work'] == pytest.approx(1.5)
+    blf = compare_filters(tab_learner, 'baseline blf', epochs=2, lr=1e-2, seeds=1, controls=False, score_cost=.25, show_progress=False).runs[1]
+    assert blf['scored'] > 0 and blf['work'] == pytest.approx((blf['trained'] + .25 * blf['scored']) / plain)   # a filter's is
 
 def test_each_method_spec_is_parsed_once_and_passed_along(monkeypatch):
     "A comparison with its controls and verdicts: every spec (methods, shorter schedules, random controls) parsed and checked once, a `Method` after"
@@ -104,7 +106,10 @@ def test_clear_errors_before_anything_trains():
     with pytest.raises(ValueError, match="`metric` 'dice' is not recorded by the Learner; it records valid_loss, accuracy"):
         compare_filters(tab_learner, metric='dice', show_progress=False)
     with pytest.raises(ValueError, match='`seeds` must be an integer >= 1'): compare_filters(tab_learner, seeds=0)
-    with pytest.raises(ValueError, match='`budgets`'): compare_filters(tab_learner, budgets='.5 1.5')
+    with pytest.raises(ValueError, match='`budgets`'): compare_filters(tab_learner, budgets='.5 1')
+    with pytest.raises(ValueError, match='`budgets`'): compare_filters(tab_learner, budgets=[.5, 'x'])
+    with pytest.raises(ValueError, match='`work`'): compare_filters(tab_learner, work='seconds')
+    with pytest.raises(ValueError, match='`reference_seeds`'): compare_filters(tab_learner, reference_seeds=2)
     with pytest.raises(ValueError, match='unknown method'): compare_filters(tab_learner, methods='baseline nope')
     with pytest.raises(TypeError, match='`make_learner`'): compare_filters(shared)
 
@@ -175,3 +180,28 @@ def test_text_classifier_with_its_sorted_loader():
     cmp = compare_filters(make, 'baseline blf:skip_epochs=0', epochs=2, lr=1e-2, seeds=1, controls=False, cbs=[spy], show_progress=False)
     assert same_batches(*spy.fits)
     assert type(dls.train).__name__ == 'SortedDL' and cmp.table.loc['blf:skip_epochs=0', 'samp_perc'] < 1
+
+def test_a_target_fixed_from_reference_seeds_it_does_not_judge(tmp_path):
+    "`reference_seeds` trains the plain model on further seeds first and sets the target at the knee of their curve; those runs are saved, flagged, and never judged"
+    from loss_filters.verdicts import knee_target
+    from loss_filters.compare import read_runs, load_comparison
+    cmp = compare_filters(tab_learner, 'baseline blf', epochs=3, lr=1e-2, seeds=2, controls=False, reference_seeds=3, folder=tmp_path,
+                          show_progress=False)
+    saved = read_runs(tmp_path)
+    refs = [r for r in saved if r.get('reference')]
+    assert sorted(r['seed'] for r in refs) == [2, 3, 4] and {r['seed'] for r in cmp.runs} == {0, 1}   # seeds the comparison does not judge
+    assert cmp.settings['target_from'] == 'reference' and cmp.target == pytest.approx(knee_target(refs)['target'])
+    assert 'fixed from 3 seeds of the plain model' in ' '.join(cmp.short().split())
+    again = load_comparison(tmp_path)   # judged again: the same target, from the same reference runs
+    assert again.target == pytest.approx(cmp.target) and {r['seed'] for r in again.runs} == {0, 1}
+    resumed = compare_filters(tab_learner, 'baseline blf', epochs=3, lr=1e-2, seeds=2, controls=False, reference_seeds=3, folder=tmp_path,
+                              show_progress=False)
+    assert resumed.target == pytest.approx(cmp.target) and len(read_runs(tmp_path)) == len(saved)   # every run reused, none trained again
+
+def test_work_is_counted_in_operations_by_default():
+    cmp = compare_filters(tab_learner, 'baseline blf', epochs=2, lr=1e-2, seeds=1, controls=False, show_progress=False)
+    from loss_filters.runs import learner_flop_costs
+    assert cmp.settings['work'] == 'flops' and cmp.settings['score_cost'] == pytest.approx(learner_flop_costs(tab_learner())['score'])
+    assert cmp.settings['score_cost_timed'] > 0   # the measured timing ratio, kept beside
+    timed = compare_filters(tab_learner, 'baseline blf', epochs=2, lr=1e-2, seeds=1, controls=False, show_progress=False, work='time')
+    assert timed.settings['work'] == 'time' and timed.settings['score_cost'] == timed.settings['score_cost_timed']

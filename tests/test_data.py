@@ -178,3 +178,37 @@ def test_the_digits_loaders_predict_and_show_results():
         learn.show_results(max_n=4)
     import matplotlib.pyplot as plt
     assert [a.get_title().count('/') for a in plt.gcf().axes[:4]] == [1] * 4
+
+# ------------------------------------------------------------------ bad sizes: refused before any data is read
+@pytest.mark.parametrize('kw,err,msg', [
+    (dict(n_valid=0), ValueError, '`n_valid` must be an integer >= 1, or None for every validation image; got 0'),
+    (dict(n_train=-5), ValueError, '`n_train` must be an integer >= 1, or None for every training image; got -5'),
+    (dict(n_train=2.5), TypeError, '`n_train` must be an integer >= 1'),
+    (dict(n_valid=True), TypeError, '`n_valid` must be an integer >= 1'),
+    (dict(bs=0), ValueError, '`bs` must be an integer >= 1, got 0'),
+    (dict(bs=32.), TypeError, '`bs` must be an integer >= 1'),
+    (dict(label_noise=1.), ValueError, r'`label_noise` must be in \[0, 1\)')])
+def test_fashion_mnist_dls_refuses_bad_sizes_before_looking_for_files(places, kw, err, msg):
+    with pytest.raises(err, match=msg): fashion_mnist_dls(places / 'nowhere', **kw)            # not FileNotFoundError: checked first
+    with pytest.raises(err, match=msg): load_dls('auto', **kw)                                 # and no fallback to digits
+    with pytest.raises(err, match=msg): digits_dls(**kw)
+
+def test_small_subsets_still_work(places):
+    d = _fake_fashion(places / 'fm', n=40, nv=12)
+    dls = fashion_mnist_dls(d, bs=8, n_train=16, n_valid=1, device='cpu')
+    assert len(dls.train_ds) == 16 and len(dls.valid_ds) == 1 and len(dls.train) == 2
+
+@pytest.mark.parametrize('valid_pct,msg', [(0., r'`valid_pct` must be in \(0, 1\)'), (1., r'`valid_pct` must be in \(0, 1\)'),
+                                           (.9999, r'`valid_pct=0.9999` leaves no training image of the 1797')])
+def test_digits_refuses_a_split_with_an_empty_side(valid_pct, msg):
+    with pytest.raises(ValueError, match=msg): digits_dls(valid_pct=valid_pct)
+
+def test_tensor_dls_refuses_empty_or_ragged_splits():
+    x, y = torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(ValueError, match='`x_valid` and `y_valid` are empty'): tensor_dls(x, y, x[:0], y[:0], device='cpu')
+    with pytest.raises(ValueError, match='`x_train` has 8 rows and `y_train` 7'): tensor_dls(x, y[:7], x, y, device='cpu')
+    with pytest.raises(ValueError, match='`bs`'): tensor_dls(x, y, x, y, bs=0, device='cpu')
+    with pytest.raises(ValueError, match='`val_bs`'): tensor_dls(x, y, x, y, val_bs=0, device='cpu')
+
+def test_cifar_refuses_a_bad_batch_size_before_downloading(tmp_path):
+    with pytest.raises(ValueError, match='`bs` must be an integer >= 1'): cifar10_dls(tmp_path / 'nowhere', bs=0)

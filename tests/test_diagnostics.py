@@ -1,7 +1,8 @@
 "Each kind of filter's diagnostics show what it did: the data each panel plots, checked against the records."
 import matplotlib; matplotlib.use('Agg')
 import matplotlib.pyplot as plt
-import numpy as np, pytest, torch
+import math, warnings
+import numpy as np, pytest, torch, torch.nn as nn
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, set_seed, find_bs
 import fastai.callback.all   # `no_bar`, `fit_one_cycle`
 from loss_filters.batch import BatchLossFilterCallback
@@ -78,3 +79,138 @@ def test_the_diagnostics_rows_share_the_fits_start(digits):
     fig = learn.loss_filter.plot_diagnostics()
     assert [ax.get_xlim()[0] for ax in fig.axes[:2]] == [0, 0] and min(b['iter'] for b in learn.loss_filter.stats) > 0
     plt.close(fig)
+
+# ------------------------------------------------------------------ bins that follow the data
+from loss_filters.base import DataRangeHistogram
+from loss_filters.core import ScoreHistogram
+from fastai.basics import MSELossFlat
+
+def test_data_range_histogram_moves_counts_exactly_as_it_widens():
+    "Whatever order the scores come in, the counts are those of a fixed histogram on the final bins; the bins span every positive score"
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        bins = int(torch.randint(2, 70, (1,), generator=g))
+        h, batches = DataRangeHistogram(bins, rows=4), []
+        for it in range(0, 40, 3):                                        # 14 batches, merged in rows of several iterations
+            s = 10 ** (float(torch.rand(1, generator=g)) * 8 - 4 + torch.randn(16, generator=g))
+            if trial % 2: s[:2], s[2] = 0., math.nan                      # zeros and NaN go to the end bins
+            k = torch.rand(16, generator=g) < .5
+            batches.append((s, it, k)); h.add_many(s, torch.full((16,), it), k)
+        ref = ScoreHistogram(h.lo, h.hi, bins=bins, rows=4)
+        for s, it, k in batches: ref.add_many(s, torch.full((16,), it), k)
+        assert torch.equal(h.table()[0], ref.table()[0])
+        pos = torch.cat([s for s, _, _ in batches]); pos = pos[pos.isfinite() & (pos > 0)]
+        lo, hi = h.occupied()
+        assert h.edges[0] <= lo <= pos.min() and pos.max() <= hi <= h.edges[-1]
+        assert h.outside() == ((28, 14) if trial % 2 else (0, 0))
+
+def test_the_bins_stay_narrow_around_the_data():
+    h = DataRangeHistogram(64)
+    h.add(torch.tensor([1200., 2500., 4000., 9000.]), 0)                  # an MSE in the thousands
+    counts, _, edges = h.table()
+    assert (counts[0, 0] > 0).sum() == 4 and edges[0] <= 1200 and 9000 <= edges[-1] < 1e5
+    for it, c in enumerate(torch.linspace(0, -3, 30)): h.add(10 ** (c + torch.rand(8)), it + 1)   # losses falling three decades
+    assert math.log10(h.hi / h.lo) <= 8                                    # not the 16+ decades a doubling on every move would give
+    with pytest.raises(ValueError, match='`bins`'): DataRangeHistogram(1)
+
+def regression(n=512, scale=60.):
+    "Targets whose MSE starts in the thousands"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = scale * (x[:, :3].sum(1, keepdim=True) + torch.randn(n, 1, generator=g))
+    return make_dls(x, y, bs=64)
+
+def _scores(cb):
+    "Wrap the filter's `select`: the scores of every filtered batch"
+    seen, select = [], cb.select
+    def spy(scores): seen.append(scores.clone()); return select(scores)
+    cb.select = spy
+    return seen
+
+def test_batch_filter_histograms_follow_losses_in_the_thousands():
+    set_seed(0)
+    learn = Learner(regression(), nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), loss_func=MSELossFlat())
+    cb = BatchLossFilterCallback(skip_epochs=0)
+    learn.add_cb(cb)
+    seen = _scores(cb)
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-3)
+    s = torch.cat(seen); pos = s[s > 0]
+    assert s.max() > 1000                                                   # the losses run into the thousands
+    counts, _, edges = cb.hist.table()
+    assert (counts[:, 0].sum(0) > 0).sum() > 10                             # not piled into one bin
+    assert edges[0] <= pos.min() and pos.max() <= edges[-1]                # the bins span the data
+    assert tuple(cb.hist_range) == (cb.hist.lo, cb.hist.hi)
+    fig = cb.plot_diagnostics()
+    lo, hi = fig.axes[2].get_ylim()
+    r = float(edges[1] / edges[0])                                          # one bin, as a ratio
+    assert pos.min() / r <= lo <= pos.min() and pos.max() <= hi <= pos.max() * r   # the heat maps' axis spans the data, to a bin
+    plt.close(fig)
+
+def test_pruner_histogram_follows_stale_losses_in_the_thousands():
+    set_seed(0)
+    learn = Learner(regression(), nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), loss_func=MSELossFlat())
+    cb = StaleLossPruningCallback(prune=.5, anneal=0.)
+    learn.add_cb(cb)
+    tables = []
+    class Table(Callback):
+        order = 100
+        def before_train(self): tables.append(cb.table.clone())           # the stale losses each epoch decides on
+    with learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-3, cbs=Table())
+    t = torch.cat(tables[1:]); t = t[t.isfinite() & (t > 0)]
+    assert t.max() > 1000
+    kept, left = (sum(r[k] for r in cb.prune_hist) for k in ('kept', 'left_out'))
+    assert ((kept + left) > 0).sum() > 10 and left.sum() > 0
+    edges = cb.prune_scores.edges
+    assert edges[0] <= t.min() and t.max() <= edges[-1]
+    fig = cb.plot_diagnostics()
+    assert np.allclose(fig.axes[1].patches[0].get_data().edges, edges.numpy())
+    lo, hi = fig.axes[1].get_xlim()
+    r = float(edges[1] / edges[0])
+    assert t.min() / r <= lo <= t.min() and t.max() <= hi <= t.max() * r
+    plt.close(fig)
+
+# ------------------------------------------------------------------ what the titles say
+def _proxy(): return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+def test_a_proxys_diagnostics_say_the_losses_are_the_proxys(digits):
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat()).batch_loss_filter(skip_epochs=0, score_model=_proxy())
+    with pytest.warns(UserWarning, match=r"`full_train_loss` is NaN from epoch 0: a proxy \(`score_model=`\)"), learn.no_bar(), learn.no_logging():
+        learn.fit(2, 1e-2)
+    assert math.isnan(learn.loss_filter.epoch_stats[-1]['full_loss'])
+    fig = learn.loss_filter.plot_diagnostics()
+    share, hist_all, hist_cut = fig.axes[1:4]
+    assert share.get_title() == "Kept proxy's loss share per batch" and "proxy's loss" in share.get_ylabel()
+    assert all(ax.get_title().startswith("proxy's loss:") for ax in (hist_all, hist_cut)) and "proxy's loss" in hist_all.get_ylabel()
+    assert "losses are the proxy's" in fig._suptitle.get_text() and 'last fit' not in fig._suptitle.get_text()
+    plt.close(fig)
+    with warnings.catch_warnings(record=True) as ws:                        # said once per filter
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    assert not [w for w in ws if 'full_train_loss' in str(w.message)]
+
+@pytest.mark.parametrize('patch', ['batch_loss_filter', 'stale_loss_pruning'])
+def test_a_second_fit_says_the_diagnostics_hold_the_last_fit_only(digits, patch):
+    set_seed(0)
+    learn = getattr(Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat()), patch)()
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    fig = learn.loss_filter.plot_diagnostics()
+    assert fig._suptitle.get_text() == type(learn.loss_filter).__name__    # a model's own losses, one fit: nothing to say
+    plt.close(fig)
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    fig = learn.loss_filter.plot_diagnostics()
+    assert 'last fit only (of 2)' in fig._suptitle.get_text()
+    plt.close(fig)
+
+# ------------------------------------------------------------------ a loader with no batch
+@pytest.mark.parametrize('patch', ['batch_loss_filter', 'selective_backprop', 'stale_loss_pruning'])
+def test_a_loader_with_no_batch_says_so(patch):
+    x, y = torch.randn(14, 64), torch.randint(0, 10, (14,))
+    learn = getattr(Learner(make_dls(x, y, bs=64, drop_last=True), mlp(), loss_func=CrossEntropyLossFlat()), patch)()
+    assert len(learn.dls.train) == 0
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    msgs = [str(w.message) for w in ws if 'will not act' in str(w.message)]
+    assert len(msgs) == 1 and 'its training loader has no batch (10 item(s) at `bs=64` with `drop_last=True`)' in msgs[0]
+    assert 'window' not in msgs[0] and 'drop_last=False' in msgs[0]

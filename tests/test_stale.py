@@ -1,10 +1,10 @@
 "Stale-loss pruning: the pure pruning rule, and the callback on real Learners with losses the test controls."
-import math
+import math, warnings
 import numpy as np, pytest, torch, torch.nn as nn, torch.nn.functional as F
 from fastai.basics import Learner, Callback, CrossEntropyLossFlat, accuracy, set_seed
 from fastai.callback.all import MixUp
 from loss_filters.core import prune_by_stale_loss
-from loss_filters.sampler import StaleLossPruningCallback, anneals
+from loss_filters.sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, anneals
 from loss_filters.batch import BatchLossFilterCallback
 from conftest import make_dls, mlp
 
@@ -241,3 +241,65 @@ def test_a_loader_that_draws_with_replacement_is_warned_about():
     if not type(dls.train).__name__ == 'TabWeightedDL': pytest.skip('this fastai draws tabular rows without replacement')
     learn = tabular_learner(dls, layers=[16], n_out=2).stale_loss_pruning()
     with pytest.warns(UserWarning, match='have a loss from an earlier epoch'), learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-2)
+
+# ------------------------------------------------------------------ an epoch never pruned to nothing
+class TrainedRows(Callback):
+    "The examples each epoch trained on, counted at the loss"
+    order = 100
+    def before_fit(self): self.n = {}
+    def after_loss(self):
+        if self.training: self.n[self.epoch] = self.n.get(self.epoch, 0) + len(self.yb[0])
+
+@pytest.mark.parametrize('make', [lambda: StaleLossPruningCallback(anneal=0.), lambda: RandomPruningCallback(keep=.5, anneal=0.),
+                                  lambda: HideLearnedCallback(confidence=.05, max_hide=.9, anneal=0.)], ids=['stale', 'random', 'hide'])
+def test_one_batch_an_epoch_still_trains_every_epoch(make):
+    "75 training rows at bs=64 with `drop_last`: a plain epoch trains one batch, and so does every pruned epoch, said once"
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(100, 64, generator=g), torch.randint(0, 10, (100,), generator=g)
+    spy = TrainedRows()
+    learn = Learner(make_dls(x, y, bs=64, drop_last=True), mlp(), loss_func=CrossEntropyLossFlat(), cbs=[spy, make()])
+    with pytest.warns(UserWarning, match=r'epoch 1 would keep too few examples to fill one batch .*`bs=64` with `drop_last=True`.* trains one batch') as rec:
+        _fit(learn, 3, lr=1e-2)
+    assert sum('would keep too few' in str(w.message) for w in rec) == 1  # once per fit
+    assert spy.n == {0: 64, 1: 64, 2: 64}
+    stats = learn.loss_filter.epoch_stats
+    assert all(e['samp_perc'] == 1. and math.isfinite(e['full_loss']) for e in stats)
+
+def test_an_epoch_that_keeps_a_batch_is_not_topped_up(digits_dls):
+    set_seed(0)
+    learn = Learner(digits_dls, mlp(), loss_func=CrossEntropyLossFlat()).stale_loss_pruning(prune=.5)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        _fit(learn, 3, lr=1e-2)
+    assert not [w for w in ws if 'too few' in str(w.message)] and learn.loss_filter.epoch_stats[1]['samp_perc'] < .9
+
+# ------------------------------------------------------------------ the panels agree on a loader that draws with replacement
+def test_hide_learned_on_tabular_regression_panels_agree():
+    "`TabWeightedDL` draws its epoch with replacement: an example it did not draw is not left out, and the histogram counts draws as `samp_perc` does"
+    from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize, MSELossFlat
+    from conftest import tabular_df
+    from loss_filters.sampler import plain_epoch_size
+    df = tabular_df()
+    df['y'] = (2 * df.a + df.b).astype('float32')
+    set_seed(0)
+    dls = TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a', 'b'], y_names='y',
+                                     valid_idx=list(range(450, 600)), bs=64, device='cpu')
+    spy = TrainedRows()
+    learn = tabular_learner(dls, layers=[32], n_out=1, loss_func=MSELossFlat(), cbs=spy).hide_learned()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')   # the draws-with-replacement note
+        _fit(learn, 6, lr=1e-2, one_cycle=True)
+    cb, n_seen = learn.loss_filter, plain_epoch_size(450, 64, dls.train.drop_last)
+    rows = cb.prune_hist
+    assert rows and any(r['left_out'].sum() > 0 for r in rows)
+    for r in rows:
+        e = r['epoch']
+        assert int(r['left_out'].sum()) == n_seen - spy.n[e]                # left out: what the loader drew and the epoch did not train
+        assert cb.epoch_stats[e]['samp_perc'] == spy.n[e] / n_seen           # the share panel, on the same draws
+        assert int(r['kept'].sum()) <= spy.n[e]                              # trained draws with a stale loss
+    fig = cb.plot_diagnostics()
+    share, hist = fig.axes[:2]
+    left = int(sum(r['left_out'].sum() for r in rows))
+    assert f'left out ({left})' in [t.get_text() for t in hist.get_legend().get_texts()]
+    assert left == sum(round((1 - y) * n_seen) for e, y in zip(share.lines[0].get_xdata(), share.lines[0].get_ydata()) if e in [r['epoch'] for r in rows])
+    import matplotlib.pyplot as plt; plt.close(fig)
