@@ -17,7 +17,7 @@ from .runs import (parse_method, judged_method, metric_sign, run_fit, add_work, 
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
                                    best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text,
                                    mult_text, diff_text, default_drop, knee_target)
-from .plots import budget_figure, time_figure, save_figure
+from .plots import budget_figure, time_figure, save_figure, plot_colors, metric_label
 
 # %% auto #0
 __all__ = ['Comparison', 'estimate_text', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
@@ -96,7 +96,7 @@ class Comparison:
         lvl, has, unit = ci_level(self.rows), bool(self.budgets), self.unit
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
         better = 'lower' if self.sign < 0 else 'higher'
-        head = (f"Compared on {self.metric} ({better} is better) over {seeds_text(self.settings['seeds'])}; tests at {pct_text(self.alpha)}. "
+        head = (f"Compared on {metric_label(self.metric)} ({better} is better) over {seeds_text(self.settings['seeds'])}; tests at {pct_text(self.alpha)}. "
                 f"Work counted in {'operations (FLOPs)' if self.settings.get('work') == 'flops' else 'measured step times'}.")
         what = ("'at equal work': the method's final value against the plain model trained less, at the method's own work (the curve over "
                 f"every seed's plain schedules), in {'points' if unit == 'points' else unit}, + better; 'training less needs': the plain curve's work "
@@ -123,9 +123,10 @@ class Comparison:
         "One figure: the metric against work over the budget curve (with the controls), and against training seconds; `plt.savefig` after it saves both"
         import matplotlib.pyplot as plt
         fig, axs = plt.subplots(2 if self.budgets else 1, 1, figsize=(10, 9 if self.budgets else 4.5), squeeze=False)
-        if self.budgets: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=axs[0, 0])
-        time_figure(self.runs, self.target, self.metric, self.sign, ax=axs[-1, 0])
-        fig.suptitle(f"{self.metric}: {seeds_text(self.settings['seeds'])}, the target {self.target_value:.4f} ({self.target_source})", fontsize=10); fig.tight_layout()
+        for f, ax in zip(self._figures(), axs[:, 0]): f(ax=ax)
+        src = {'reference': 'fixed from reference seeds', 'given': 'given'}.get(self.settings.get('target_from'), 'set from the judged runs')
+        fig.suptitle(f"{metric_label(self.metric)}: {seeds_text(self.settings['seeds'])}; the target {self.target_value:.4f}, {src}", fontsize=10)
+        fig.tight_layout()
         return fig
 
     def results(self) -> dict:
@@ -141,9 +142,15 @@ class Comparison:
         import matplotlib; matplotlib.use('Agg')
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
         (folder / 'results.json').write_text(json.dumps(self.results(), indent=1))
-        figs = ([(budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign), 'accuracy_vs_budget.png')] if self.budgets else []) + \
-               [(time_figure(self.runs, self.target, self.metric, self.sign), 'accuracy_vs_time.png')]
-        return [folder / 'results.json'] + [save_figure(f, folder / n) for f, n in figs]
+        names = (['accuracy_vs_budget.png'] if self.budgets else []) + ['accuracy_vs_time.png']
+        return [folder / 'results.json'] + [save_figure(f(), folder / n) for f, n in zip(self._figures(), names)]
+
+    def _figures(self) -> list:
+        "The figures' makers, `f(ax=None)`: over the plain curve (with budgets) and against time, in one colour per method and its controls"
+        col = plot_colors([r['method'] for r in self.rows], self.control_of)
+        budget = lambda ax=None: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=ax, target=self.target, colors=col)
+        timed = lambda ax=None: time_figure(self.runs, self.target, self.metric, self.sign, ax=ax, colors=col, controls=control_specs(self.control_of))
+        return ([budget] if self.budgets else []) + [timed]
 
     def full_text(self) -> str:
         "Every figure of every method and control as a wide text table, then every verdict in words"
@@ -242,7 +249,7 @@ _SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', '
 def metric_unit(metric:str, runs:list) -> str:
     "'points' for a share metric (accuracy, error rate, F1, Dice: every value in [0, 1]), whose differences read in points; else the metric's own name"
     vals = [abs(r['final_accuracy']) for r in runs if r.get('final_accuracy') is not None]
-    return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric
+    return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric_label(metric)
 
 def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
     "The `Comparison` of `runs` (reference runs set aside): summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"

@@ -8,7 +8,8 @@ from pathlib import Path
 from .verdicts import control_specs
 
 # %% auto #0
-__all__ = ['short_label', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure', 'plot_results', 'plot_budget']
+__all__ = ['short_label', 'metric_label', 'plot_colors', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure',
+           'plot_results', 'plot_budget']
 
 # %% ../nbs/10_plots.ipynb #479eaf27
 def _plt():
@@ -28,31 +29,59 @@ def _axes(ax, size):
     "`ax`, or the axes of a new figure of `size`"
     return ax if ax is not None else _plt().subplots(figsize=size)[1]
 
-def _colors(names:list) -> dict:
-    "A colour per method, the same in every figure of a comparison (tab10, or tab20 for more than 10 methods)"
-    cmap = _plt().get_cmap('tab10' if len(names) <= 10 else 'tab20')
-    return {m: cmap(i % cmap.N) for i, m in enumerate(dict.fromkeys(names))}
+_PALETTE = ['tab:orange', 'tab:green', 'tab:red', 'tab:purple', 'tab:brown', 'tab:pink', 'tab:olive', 'tab:cyan', 'tab:blue']
+
+def metric_label(name:str) -> str:
+    "A metric's name as a reader reads it: fastai's `_rmse` is `rmse`"
+    return name.lstrip('_') or name
+
+def plot_colors(names:list, control_of:dict|None=None) -> dict:
+    "A colour per method, for every figure of a comparison: the plain model black, its other schedules grey, each method its own colour (none near black), each control its method's"
+    names, control_of = list(dict.fromkeys(names)), control_of or {}
+    of = {c: m for m, cs in control_of.items() for c in cs}
+    plain = lambda m: m == 'baseline' or (m.startswith('baseline:') and m not in of)
+    out = {m: ('black' if m == 'baseline' else 'grey') for m in names if plain(m)}
+    mine = [m for m in names if m not in out and m not in of]
+    out |= {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(mine)}
+    return out | {c: out.get(m, 'grey') for c, m in of.items() if c in names}
+
+def _colors(names:list) -> dict: return plot_colors(names)
+
+def _spread_x(xs:list, width:float) -> list:
+    "Positions `xs` moved apart by `width` where two fall on the same spot (two controls at the same work)"
+    out = []
+    for x in xs:
+        k = sum(abs(x - o) < width / 2 for o in out)
+        out.append(x + k * width)
+    return out
 
 def _legend_outside(ax):
     ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False)
 
 def budget_figure(rows:list, # the summary rows
-                  budgets:list, # the shorter plain schedules (`baseline:epochs=k`)
+                  budgets:list, # the other plain schedules (`baseline:epochs=k`)
                   control_of:dict, # method -> its controls
                   label:str='validation accuracy', # the metric's name on the y axis
                   sign:int=1, # -1 where the rows hold a lower-is-better metric negated
-                  ax=None): # draw on these axes; default a new figure
-    "Final value against work (plain epochs): the plain model's budget curve, every method and control over it (controls hollow), the median over seeds with its range"
-    ax = _axes(ax, (9, 4.5))
+                  ax=None, # draw on these axes; default a new figure
+                  target:float|None=None, # the oriented target, drawn as a line
+                  colors:dict|None=None): # method -> colour (`plot_colors`); the same in every panel
+    "Final value against work (plain epochs): the plain model's curve over its schedules, every method and control over it (controls hollow, in their method's colour), the median over seeds with its range"
+    ax, label = _axes(ax, (9, 4.5)), metric_label(label)
+    col = colors or plot_colors([r['method'] for r in rows], control_of)
     curve = sorted((r['work'], sign * r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
-    ax.plot(*zip(*curve), 'k.-', label='plain model, shorter schedules (training less)')
-    controls, col = control_specs(control_of), _colors([r['method'] for r in rows])
-    for r in (r for r in rows if r['method'] not in [*budgets, 'baseline']):
-        c = col[r['method']]
-        ax.errorbar(r['work'], sign * r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='o', ms=6, capsize=2,
+    ax.plot(*zip(*curve), '.-', color='black', label='plain model, other schedules')
+    controls = control_specs(control_of)
+    others = [r for r in rows if r['method'] not in [*budgets, 'baseline']]
+    span = (max(w for w, _ in curve) - min(w for w, _ in curve)) or 1.
+    xs = _spread_x([r['work'] for r in others], span / 80)   # two controls at the same work side by side, not on top of each other
+    for x, r in zip(xs, others):
+        c = col.get(r['method'], 'grey')
+        ax.errorbar(x, sign * r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='s' if r['method'] in controls else 'o', ms=6, capsize=2,
                     mfc='none' if r['method'] in controls else c, color=c, label=short_label(r['method']) + (' (control)' if r['method'] in controls else ''))
-    ax.set(xlabel='work (plain epochs: examples trained, and scored at their measured cost)', ylabel=f'final {label} (median over seeds)',
-           title='Final value against work, over the budget curve (bars: the range over seeds)')
+    if target is not None: ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
+    ax.set(xlabel='work (plain epochs: examples trained, and scored at their cost)', ylabel=f'final {label} (median over seeds)',
+           title='Final value against work, over the plain curve (bars: the range over seeds)')
     _legend_outside(ax); ax.figure.tight_layout()
     return ax.figure
 
@@ -68,11 +97,15 @@ def time_figure(runs:list, # the runs
                 target:float, # the oriented target
                 label:str='validation accuracy', # the metric's name on the y axis
                 sign:int=1, # -1 where the runs hold a lower-is-better metric negated
-                ax=None): # draw on these axes; default a new figure
+                ax=None, # draw on these axes; default a new figure
+                colors:dict|None=None, # method -> colour (`plot_colors`); the same in every panel
+                controls:list|None=None): # the controls' names: drawn dashed
     "The metric at every check against training seconds, one line a method (the median over its seeds), and the target"
-    ax = _axes(ax, (9, 4.5))
-    for m, c in _colors([r['method'] for r in runs]).items():
-        ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), 'o-', color=c, label=short_label(m), ms=3, lw=1.2)
+    ax, label, controls = _axes(ax, (9, 4.5)), metric_label(label), controls or []
+    col = colors or plot_colors([r['method'] for r in runs])
+    for m in dict.fromkeys(r['method'] for r in runs):
+        ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), 'o--' if m in controls else 'o-', color=col.get(m, 'grey'),
+                label=short_label(m), ms=3, lw=1.2, mfc='none' if m in controls else None)
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
     late = [sign * e['accuracy'] for r in runs for e in r['history'][len(r['history']) // 2:]]
     ax.set(xlabel='training seconds (median over seeds)', ylabel=f'{label} (median over seeds)', title='The metric against training time')

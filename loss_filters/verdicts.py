@@ -8,7 +8,7 @@ import math, statistics
 from .batch import LossFilterCallback, RandomBatchCallback
 from .sampler import SamplerPruningCallback, RandomPruningCallback
 from .runs import parse_method, judged_method, time_to_target, RetiredMethod
-from .stats import paired_test, curve_test, shown, seeds_needed, TYPICAL_LOG_SD
+from .stats import paired_test, curve_test, shown, seeds_needed
 
 # %% auto #0
 __all__ = ['per_seed', 'default_drop', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control',
@@ -462,7 +462,7 @@ def format_table(rows:list, metric:str='accuracy', sign:int=1) -> str:
         if k == 'method': return r[k] + (' [never filtered]' if r.get('never_filtered') else '')
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
         if k in ('vs_budget', 'vs_random'):   # points, then the verdict of the test
-            return f"{r[k]['diff'] * 100:+.2f} {r[k]['verdict']}" if r.get(k) else '-'
+            return f"{diff_text(r[k]['diff'], r.get('unit', 'points')).split()[0]} {r[k]['verdict']}" if r.get(k) else '-'
         if k.endswith('_ci'): return ci_text(r.get(k)) or '-'
         v = r.get(k)
         if v is None: return '-'

@@ -67,6 +67,7 @@ def test_the_comparisons_figure_is_one_picture_a_reader_can_read(err_cmp):
     colour = lambda ax, name: next(h.get_color() if hasattr(h, 'get_color') else h.lines[0].get_color()
                                    for h, t in zip(*ax.get_legend_handles_labels()) if t == name)
     assert tuple(colour(top, 'blf')) == tuple(colour(bottom, 'blf'))   # a method keeps its colour across the panels
+    assert all(any(t.startswith('target ') for t in ax.get_legend_handles_labels()[1]) for ax in (top, bottom))   # the target in both panels
 
 def test_short_labels_say_the_controls_in_words():
     from loss_filters.plots import short_label
