@@ -367,7 +367,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     if add_baseline and 'baseline' not in specs: specs.insert(0, 'baseline')   # the target and every paired ratio need the plain model
     _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha)
     if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
-    if not isinstance(reference_seeds, int) or reference_seeds < 0 or reference_seeds == 1 or reference_seeds == 2:
+    if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
         raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
     budgets = budgets if isinstance(budgets, str) else ' '.join(str(b) for b in budgets)
     metric, probe = _check_factory(make_learner, metric)
@@ -388,10 +388,10 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     del probe
     seed_list, runs = range(seed, seed + seeds), []
     n_filters = sum(parse_method(s).filters for s in specs)   # each gets a random control; the rate controls are extra
-    n_est = len(seed_list) * repeats * (len(specs) + (len(budget_specs(epochs, budgets)) + n_filters if controls else 0))
+    n_est = len(seed_list) * repeats * (len(specs) + (len(budget_specs(epochs, budgets)) + n_filters if controls else 0)) + reference_seeds * repeats
     # in full-schedule fits: the methods and random controls at their own epochs, the shorter plain schedules at theirs
     fits = len(seed_list) * repeats * (sum(_epochs_of(s, epochs) for s in specs) / epochs
-                                       + (_budget_share(epochs, budgets) + n_filters if controls else 0))
+                                       + (_budget_share(epochs, budgets) + n_filters if controls else 0)) + reference_seeds * repeats
     timed_first = []
     bar_ok = IN_NOTEBOOK or sys.stdout.isatty()   # to a file or a pipe, a console bar's redraws would be written line after line
     pbar = progress_bar(range(n_est), leave=False) if show_progress and not show_fits and bar_ok else None
