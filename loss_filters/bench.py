@@ -36,10 +36,12 @@ __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_
 # and learning rate from a sweep of the plain model), with every control beside every method. `aug`: the regime the recipes were
 # published for, crop and flip on a long one-cycle schedule at the plain model's plateau (68 epochs: 50% more gained 0.11 points;
 # the rate from a sweep at 45, 68 and 100 epochs), sized so that 3 seeds with every control run in about an hour on 2 cores.
+# A preset's `target` holds for its own data and settings (Fashion-MNIST, its size, schedule and rate): elsewhere, pass `--reference_seeds`.
 PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
                           methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
                long=dict(epochs=9, evals_per_epoch=2, augment=False, controls=True, lr=2.4e-2, bs=128, n_train=20_000, n_valid=5_000,
-                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25'),
+                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25',
+                         target=.8486),   # fixed in advance: the knee of 5 reference seeds (6-10), saved in nbs/bench_runs/long_flops_runs.jsonl.gz
                aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25'))
 
@@ -217,6 +219,12 @@ def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
     conf = out / 'comparison.json'
     return json.loads(conf.read_text())['score_cost'] if resume and conf.exists() and (out / 'runs.jsonl').exists() else None
 
+def _preset_target(pre:dict, data_name:str, epochs:int, lr:float, bs:int, n_train, augment:bool, label_noise:float, model:str) -> float|None:
+    "The preset's target fixed in advance, where the run is the preset as its reference runs were (its data, size, schedule, rate, model); else None"
+    same = (data_name == 'fashion_mnist' and model == 'cnn' and not label_noise and (epochs, lr, bs, n_train, augment)
+            == (pre['epochs'], pre['lr'], pre['bs'], pre['n_train'], pre['augment']))
+    return pre.get('target') if same else None
+
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
          preset:str='quick', # `quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
@@ -227,7 +235,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          seed:int=0, # seed for the model initialisation and the data order
          out:str='bench_out', # folder for results.json and the plots
          repeats:int=1, # runs of every method (interleaved); medians and spreads when > 1
-         target:float=None, # target validation accuracy for the time to target; default: from `reference_seeds`, else baseline's final accuracy - `target_drop`
+         target:float=None, # target validation accuracy for the time to target; default: from `reference_seeds`, else the preset's own (fixed in advance, where the run is the preset), else baseline's final accuracy - `target_drop`
          target_drop:float=None, # that last default: this much below the baseline's final accuracy (0.2 points when None)
          reference_seeds:int=0, # plain runs on this many further seeds, not judged, fix the target at the knee of their curve (0: none, else at least 3)
          n_train:int=None, # use only this many training examples (0: all); default: the preset's
@@ -268,6 +276,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     make = partial(bench_learner, dls, model)
+    if target is None and not reference_seeds: target = _preset_target(pre, data_name, epochs, lr, bs, n_train, augment, label_noise, model)
     saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
                                          augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
     run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
