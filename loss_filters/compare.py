@@ -13,10 +13,10 @@ from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
-                               seeded_proxy, StopAfter, time_to_target, BLIND)
+                               seeded_proxy, StopAfter, BLIND)
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
                                    best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text,
-                                   mult_text, diff_text, default_drop, knee_target)
+                                   mult_text, diff_text, knee_target)
 from .plots import budget_figure, time_figure, save_figure, plot_colors, metric_label
 
 # %% auto #0
@@ -165,11 +165,6 @@ def _text_table(rows:list) -> str:
     "Rows of strings as left-aligned columns"
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in rows)
-
-def _payoff(r:dict, has_budgets:bool) -> list:
-    "The work ratio a payoff is judged on, and its interval, as text"
-    x, t = payoff_test(r, has_budgets)
-    return [ratio_text(x), ci_text((t['lo'], t['hi']) if t and t['lo'] is not None else None) or '-']
 
 # %% ../nbs/11_compare.ipynb #7fd53d59
 def _metric_names(learn) -> list: return ['valid_loss'] + [m.name for m in learn.metrics]
