@@ -87,7 +87,7 @@ def test_the_first_readings_intervals_cover_at_their_level(shapes):
     assert diff_in / draws >= .85 and mult_in / draws >= .85, (diff_in, mult_in, draws)
 
 def test_two_machines_runs_of_one_preset_read_alike():
-    "The long preset's saved runs from an AMD EPYC and an Intel Xeon, work counted by one operation count: estimates at equal work within their uncertainty of each other, and never opposite words"
+    "The long preset's saved runs from an AMD EPYC and an Intel Xeon, work counted by one operation count: estimates at equal work within their uncertainty of each other, and the same first reading"
     from loss_filters.compare import load_comparison
     from loss_filters.bench import bench_work_costs
     runs_dir = RUNS.parent
@@ -101,7 +101,7 @@ def test_two_machines_runs_of_one_preset_read_alike():
         se = lambda v: (v['hi'] - v['lo']) / (2 * 2.13)   # a 90% t interval on about 4 degrees of freedom
         assert abs(va['diff'] - vb['diff']) <= 2 * math.hypot(se(va), se(vb)), (m, va['diff'], vb['diff'])
         words = {payoff_word(next(r for r in c.rows if r['method'] == m)) for c in (a, b)}
-        assert words != {'pays', 'does not pay'}, (m, words)
+        assert len(words) == 1, (m, words)   # the same first reading on both machines
 
 def test_work_to_target_counts_from_where_the_run_stays_above_it():
     from loss_filters.runs import time_to_target
