@@ -40,13 +40,15 @@ class Comparison:
     def alpha(self) -> float: return self.settings.get('alpha', .05)
     @property
     def unit(self) -> str: return self.settings.get('unit', 'points')
+    def _target_from(self) -> str:
+        "'reference', 'given' or 'judged runs': where the target comes from"
+        src = self.settings.get('target_from')
+        return src if src == 'reference' else 'given' if src == 'given' or self.settings.get('fixed_target') else 'judged runs'
     @property
     def target_source(self) -> str:
         "Where the target comes from, in words"
-        src = self.settings.get('target_from')
-        if src == 'reference': return f"fixed from {seeds_text(self.settings.get('reference_seeds', 0))} of the plain model not judged here"
-        if src == 'given' or self.settings.get('fixed_target'): return 'given'
-        return "the plain model's median final value less a small margin, set from the runs it judges: not fixed in advance"
+        return {'reference': f"fixed from {seeds_text(self.settings.get('reference_seeds', 0))} of the plain model not judged here", 'given': 'given',
+                'judged runs': "the plain model's median final value less a small margin, set from the runs it judges: not fixed in advance"}[self._target_from()]
     @property
     def target_value(self) -> float:
         "The target in the metric's own units"
@@ -124,7 +126,7 @@ class Comparison:
         import matplotlib.pyplot as plt
         fig, axs = plt.subplots(2 if self.budgets else 1, 1, figsize=(10, 9 if self.budgets else 4.5), squeeze=False)
         for f, ax in zip(self._figures(), axs[:, 0]): f(ax=ax)
-        src = {'reference': 'fixed from reference seeds', 'given': 'given'}.get(self.settings.get('target_from'), 'set from the judged runs')
+        src = {'reference': 'fixed from reference seeds', 'given': 'given', 'judged runs': 'set from the judged runs'}[self._target_from()]
         fig.suptitle(f"{metric_label(self.metric)}: {seeds_text(self.settings['seeds'])}; the target {self.target_value:.4f}, {src}", fontsize=10)
         fig.tight_layout()
         return fig

@@ -271,10 +271,14 @@ class StopAfter(Callback):
             sync_device(); self.secs = (time.perf_counter() - self.t0) / self.n   # data loading, forward, backward, step, callbacks
             raise CancelFitException()
 
+def _train_batch(learn) -> tuple:
+    "`(xb, yb)`: one training batch of `learn`, as plain tensors"
+    b = learn.dls.train.one_batch()
+    return plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+
 def _timing(learn, *models) -> tuple:
     "A training batch of `learn` (plain tensors), and a timed training step for each of `models` (on the loaders' device, in training mode, Adam at 1e-6)"
-    b = learn.dls.train.one_batch()
-    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+    xb, yb = _train_batch(learn)
     def stepper(m):
         m.to(learn.dls.device).train()
         opt = torch.optim.Adam(m.parameters(), lr=1e-6)
@@ -311,8 +315,7 @@ def learner_flop_costs(learn, # a Learner that will not train on (its model's gr
                        proxy:torch.nn.Module|None=None # a proxy scorer, or None
                       ) -> dict|None:
     "Per example, in training steps (forward and backward) of `learn`'s model, counted in operations on one training batch: `score`, a no-grad forward; with `proxy`, `proxy_score` and `proxy_step`. The same on every machine; None where the counter sees none of the model's operations"
-    b = learn.dls.train.one_batch()
-    xb, yb = plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+    xb, yb = _train_batch(learn)
     def count(m, grad:bool) -> float:
         m.to(learn.dls.device).train()
         saved = [(p, p.grad) for p in m.parameters()]

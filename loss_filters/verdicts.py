@@ -147,14 +147,18 @@ def plain_curve(runs:list, # the runs of a comparison
     df = sum(len(xs) - 1 for xs in by.values())
     return dict(points=_pava(pts), var=ss / df if df else 0., df=df)
 
+def _segment(xs:list, t:float) -> tuple|None:
+    "`(i, f)`: `t` lies between `xs[i]` and `xs[i+1]` (sorted), a share `f` of the way; None outside their range (one rule for every curve read at a work)"
+    if len(xs) < 2 or not xs[0] - 1e-9 <= t <= xs[-1] + 1e-9: return None
+    i = next(i for i in range(len(xs) - 1) if t <= xs[i + 1] + 1e-9)
+    return i, (min(1., max(0., (t - xs[i]) / (xs[i + 1] - xs[i]))) if xs[i + 1] > xs[i] else 1.)
+
 def curve_at(curve:dict, work:float) -> tuple:
     "The curve's value at `work` (interpolated) and that value's variance; `(None, None)` outside the plain schedules' range of work"
     pts = curve['points']
-    if len(pts) == 1 or not pts[0][0] - 1e-9 <= work <= pts[-1][0] + 1e-9: return None, None
-    for (w0, v0, n0), (w1, v1, n1) in zip(pts, pts[1:]):
-        if work <= w1 + 1e-9:
-            f = min(1., max(0., (work - w0) / (w1 - w0))) if w1 > w0 else 1.
-            return v0 + f * (v1 - v0), curve['var'] * ((1 - f) ** 2 / n0 + f ** 2 / n1)
+    if (seg := _segment([p[0] for p in pts], work)) is None: return None, None
+    (i, f), (_, v0, n0), (_, v1, n1) = seg, pts[seg[0]], pts[seg[0] + 1]
+    return v0 + f * (v1 - v0), curve['var'] * ((1 - f) ** 2 / n0 + f ** 2 / n1)
 
 def curve_work(curve:dict, value:float) -> tuple:
     "The work at which the curve first reaches `value`, and `'above'` (at least this work: the curve never gets there) or `'below'` (at most: its first point is already there), else None"
@@ -166,10 +170,9 @@ def curve_work(curve:dict, value:float) -> tuple:
 
 def _interp(curve:list, t:float) -> tuple:
     "Value (and spread) of a budget curve `[(cost, value, spread)]` at cost `t`; None outside its range"
-    if not curve or not curve[0][0] - 1e-9 <= t <= curve[-1][0] + 1e-9: return None, None
-    for (t0, a0, s0), (t1, a1, s1) in zip(curve, curve[1:]):
-        if t <= t1 + 1e-9: return a0 + (a1 - a0) * (min(1., max(0., (t - t0) / (t1 - t0))) if t1 > t0 else 1.), max(s0, s1)
-    return curve[-1][1], curve[-1][2]
+    if (seg := _segment([c[0] for c in curve], t)) is None: return None, None
+    (i, f), (_, a0, s0), (_, a1, s1) = seg, curve[seg[0]], curve[seg[0] + 1]
+    return a0 + (a1 - a0) * f, max(s0, s1)
 
 def _own_value(run:dict, runs:list, plain:list):
     "The plain value at `run`'s work read off its own seed's plain runs (interpolated between two schedules); None where they do not span its work"
