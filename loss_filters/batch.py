@@ -183,7 +183,9 @@ class LossFilterCallback(LossFilterBase):
 
     def _new_records(self):
         super()._new_records()
-        self.pool = BatchPool()   # `fill_batch`'s kept examples waiting for a full batch: what the last batch leaves waits for the next epoch
+        # `fill_batch`'s kept examples waiting for a full batch (what the last batch leaves waits for the next epoch), with their whole
+        # source batches where a callback reads a pooled step's make-up (`GradientProbeCallback`)
+        self.pool = BatchPool(keep_sources=any(getattr(cb, 'reads_pool_sources', False) for cb in self.learn.cbs))
 
     def _find_fit_parts(self):
         "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
@@ -262,6 +264,7 @@ class LossFilterCallback(LossFilterBase):
         self.pooled_step = self.fill_batch and not self._plain_step   # the step's rows come from the pool, not this batch alone
         # the rows of the batch this step trains on (None: all of them, or a pooled batch of other rows): `GradientProbeCallback` reads it
         self.step_idxs = idxs if not self.fill_batch and idxs is not None and len(idxs) < bs else None
+        self.step_sources = None   # a pooled step's source batches and its rows of each, `(xb, yb, rows)`, where the pool keeps them
         if self.fill_batch:
             self._fill(idxs)   # no step (`CancelBatchException`) until a batch is full
             if self.proxy is not None: self._px_rows = self._proxy_fill_rows()
@@ -293,7 +296,7 @@ class LossFilterCallback(LossFilterBase):
         "Pool this batch's kept examples; train on a full batch when there is one, else skip the step (the pool lives for the fit)"
         b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
         if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
-        self.pool.add(b if idxs is None else take(b, idxs))
+        self.pool.add(b if idxs is None else take(b, idxs), rows=idxs, source=b)
         last = self.iter == self.n_iter - 1
         bs = self.dl.bs
         if self.pool.n < bs and not (last and self.pool.n > 1):   # a pool of one waits for the next epoch: BatchNorm needs two
@@ -301,6 +304,7 @@ class LossFilterCallback(LossFilterBase):
             raise CancelBatchException()
         full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
         self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
+        if self.pool.keep_sources: self.step_sources = [(s[:n_inp], s[n_inp:], rows) for s, rows in self.pool.step_sources]
 
 # %% ../nbs/01_batch.ipynb #4615ab0a
 def _unwrap(model:nn.Module) -> nn.Module:
@@ -321,14 +325,29 @@ def _cat(parts:list):
     return type(parts[0])(_cat(list(z)) for z in zip(*parts))
 
 class BatchPool:
-    "Kept examples of several batches, waiting to make a full one"
-    def __init__(self): self.parts, self.n = [], 0
-    def add(self, b:tuple): self.parts.append(b); self.n += find_bs(b)
+    "Kept examples of several batches, waiting to make a full one; where each came from, and (with `keep_sources`) those batches whole"
+    def __init__(self, keep_sources:bool=False): # keep each batch a pooled row came from while any of its rows waits (for `GradientProbeCallback`)
+        self.parts, self.n, self.keep_sources, self.sources, self.step_sources, self._added = [], 0, keep_sources, {}, None, 0
+        self.src, self.rows = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)   # per pooled row: its batch's number, its row there
+
+    def add(self, b:tuple, rows:Tensor|None=None, source:tuple|None=None):
+        "Pool `b`: the rows `rows` (default all) of the batch `source` (default `b`)"
+        n = find_bs(b)
+        self.parts.append(b); self.n += n
+        self.src = torch.cat([self.src, torch.full((n,), self._added)])
+        self.rows = torch.cat([self.rows, torch.arange(n) if rows is None else rows.cpu()])
+        if self.keep_sources: self.sources[self._added] = b if source is None else source
+        self._added += 1
+
     def take(self, k:int) -> tuple:
-        "The first `k` pooled examples as one batch tuple; the rest stay in the pool"
+        "The first `k` pooled examples as one batch tuple; the rest stay in the pool. `step_sources`: their batches and rows, in their order"
         b = _cat(self.parts)
         self.parts = [map_batch(lambda t: t[k:], b)] if k < self.n else []
         self.n -= k
+        src, rows, self.src, self.rows = self.src[:k], self.rows[:k], self.src[k:], self.rows[k:]
+        ids = src.unique_consecutive().tolist()   # first in, first out: each batch's rows are together
+        self.step_sources = [(self.sources.get(i), rows[src == i]) for i in ids]
+        self.sources = {i: s for i, s in self.sources.items() if i >= (self.src[0].item() if self.n else self._added)}
         return map_batch(lambda t: t[:k], b)
 
 # %% ../nbs/01_batch.ipynb #68566b8d

@@ -60,6 +60,7 @@ class GradientProbeCallback(Callback):
     "Every `every`-th training step: the step's gradient against the batch's and random choices of its size (Gramian), and the step's α"
     order,run_valid = LossFilterBase.order-1,False   # before any filter's `before_batch`: it sees the whole batch first
     name = 'probe'   # `learn.probe`; `learn.gradient_probe()` is the patch that adds it
+    reads_pool_sources = True   # a `fill_batch` filter keeps a pooled step's source batches for it
     def __init__(self, *, # settings by keyword only
                  every:int=50, # probe every `every`-th training step (counted over the fit; a batch a filter holds back takes no step)
                  n_random:int=8, # random choices of the step's size per probed batch
@@ -161,21 +162,26 @@ class GradientProbeCallback(Callback):
             warnings.warn(f"GradientProbeCallback: {self._empty} of this fit's epochs had no probed step (one step in `every={self.every}` is "
                           f"probed, counted over the fit): their columns are NaN; lower `every` to probe every epoch", stacklevel=2)
 
-    def _step_rows(self):
-        "`(xb, yb, u, B)`: the rows the Gramian is taken over, the step's weights on them, and how many of them are the whole batch"
-        (xb, yb), learn = self._full, self.learn
-        filt, B = getattr(learn, 'loss_filter', None), find_bs(yb)
-        idxs = getattr(filt, 'step_idxs', None)
-        weights = filt.step_weights() if hasattr(filt, 'step_weights') and getattr(filt, 'run', False) else None
-        pooled = getattr(filt, 'pooled_step', False) and getattr(filt, 'run', False)   # asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`
-        if not pooled:   # the step's loss is `Σwᵢℓᵢ / n` over the `n` rows it trains, `wᵢ = 1` without weights
-            u, rows = torch.zeros(B, dtype=torch.float64), (idxs.cpu() if idxs is not None else torch.arange(B))
-            u[rows] = (1. if weights is None else weights.detach().double().cpu()) / (1 if self._summed() else len(rows))
-            return xb, yb, u, B
-        k = find_bs(learn.yb)   # a pooled batch: both parts in one Gramian
-        cat = lambda a, b: tuple(torch.cat([s, t]) for s, t in zip(a, b))
-        u = torch.cat([torch.zeros(B, dtype=torch.float64), torch.full((k,), 1 if self._summed() else 1 / k, dtype=torch.float64)])
-        return cat(xb, learn.xb), cat(yb, learn.yb), u, B
+    def _step_rows(self) -> tuple:
+        "`(xb, yb, u, groups)`: the rows the Gramian is taken over (the probed whole batch first), the step's weights on them, and the `(offset, size, trained)` of each source batch among them"
+        (xb, yb), filt = self._full, getattr(self.learn, 'loss_filter', None)
+        srcs = getattr(filt, 'step_sources', None) if getattr(filt, 'run', False) and getattr(filt, 'pooled_step', False) else None
+        if srcs is None:   # the step trains rows of this batch alone (asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`)
+            B, idxs = find_bs(yb), getattr(filt, 'step_idxs', None)
+            weights = filt.step_weights() if hasattr(filt, 'step_weights') and getattr(filt, 'run', False) else None
+            blocks = [(xb, yb, idxs.cpu() if idxs is not None else torch.arange(B), weights)]
+        else: blocks = [(x, y, r, None) for x, y, r in [srcs[-1], *srcs[:-1]]]   # a pooled step: this batch (the pool's newest source) first, then the others
+        n = sum(len(b[2]) for b in blocks)
+        div = 1. if self._summed() else n   # the step's loss is `Σwᵢℓᵢ / n` over its `n` rows (`wᵢ = 1` without weights), or their sum
+        us, groups, o = [], [], 0
+        for _, y, rows, w in blocks:
+            size = find_bs(y)
+            u = torch.zeros(size, dtype=torch.float64)
+            u[rows] = (1. if w is None else w.detach().double().cpu()) / div
+            us.append(u); groups.append((o, size, len(rows))); o += size
+        if len(blocks) == 1: return xb, yb, us[0], groups
+        cat = lambda parts: tuple(torch.cat(z) for z in zip(*parts))
+        return cat([b[0] for b in blocks]), cat([b[1] for b in blocks]), torch.cat(us), groups
 
     def _summed(self) -> bool:
         "Whether the Learner's loss sums over the batch (`reduction='sum'`): a step's gradient is then the sum of its rows', not their mean"
@@ -200,11 +206,11 @@ class GradientProbeCallback(Callback):
     def _probe(self):
         "The probed batch's per-example gradients: their statistics now, or after the step where its α's start comes with them (the derivatives along the step from the same formed gradients)"
         learn = self.learn
-        xb, yb, u, B = self._step_rows()
-        W = self._columns(u, B)
+        xb, yb, u, groups = self._step_rows()
+        B, W = groups[0][1], self._columns(u, groups)
         kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
         sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
-        info = dict(W=W, u=u, B=B, sk=sk, iter=learn.train_iter, epoch=learn.epoch, lr=float(learn.opt.hypers[-1]['lr']))
+        info = dict(W=W, u=u, B=B, sources=len(groups), sk=sk, iter=learn.train_iter, epoch=learn.epoch, lr=float(learn.opt.hypers[-1]['lr']))
         before = {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad} if self.alpha else None
         if self.alpha and sk is not None and self.modules is None:   # the whole model's sketch (activations and their gradients, which the step leaves as they are): its statistics wait for the step's direction
             self._start = (self._full, info, B, before, None); return
@@ -215,16 +221,17 @@ class GradientProbeCallback(Callback):
         else: rec, _ = self._finish(info)
         if self.alpha: self._start = (self._full, None, B, before, rec)   # α's start: a pass of its own over the whole batch
 
-    def _columns(self, u:Tensor, B:int) -> Tensor:
-        "The weights `[rows, k]` of the sums of gradients compared: the step's, the whole batch's, and the step's weights dealt to random rows of the batch"
-        pooled = len(u) != B   # a `fill_batch` step on pooled rows: random rows of this batch are not its twin, so no random comparison
-        v = torch.zeros(len(u), dtype=torch.float64); v[:B] = 1 if self._summed() else 1 / B   # the whole batch's step, reduced as the loss reduces it
-        trained = u[:B] if not pooled else u[B:]
+    def _columns(self, u:Tensor, groups:list) -> Tensor:
+        "The weights `[rows, k]` of the sums of gradients compared: the step's, the batch's, and `n_random` random twins of the step"
+        # the batch's: the mean gradient of each source batch in the share of the step's rows it gives (one batch: its mean gradient),
+        # times the rows a plain step sums where the loss sums (the batch's; a pooled step's own)
+        n = sum(t for *_, t in groups)
+        plain = 1 if not self._summed() else groups[0][1] if len(groups) == 1 else n
+        v = torch.cat([torch.full((size,), plain * t / (n * size), dtype=torch.float64) for _, size, t in groups])
         cols = [u, v]
-        for _ in range(0 if pooled else self.n_random):
+        for _ in range(self.n_random):   # a twin: the step's weights on each source batch dealt to random rows of that batch
             r = torch.zeros(len(u), dtype=torch.float64)
-            rows = torch.randperm(B, generator=self.gen, device=self.gen.device)[:len(trained)].cpu()
-            r[rows] = trained[torch.randperm(len(trained), generator=self.gen, device=self.gen.device).cpu()]
+            for o, size, _ in groups: r[o:o + size] = u[o:o + size][torch.randperm(size, generator=self.gen, device=self.gen.device).cpu()]
             cols.append(r)
         return torch.stack(cols, 1)
 
@@ -235,17 +242,16 @@ class GradientProbeCallback(Callback):
 
     def _record(self, info:dict, Q:Tensor, diag:Tensor, losses:Tensor) -> dict:
         "What the statistics say of the step against the batch and against chance, appended to `stats`"
-        u, B = info['u'], info['B']
-        pooled, k, q = len(u) != B, Q.shape[0], Q.tolist()
+        u, B, k, q = info['u'], info['B'], Q.shape[0], Q.tolist()
         n = [math.sqrt(max(q[i][i], 0.)) for i in range(k)]   # the norms of the weighted gradients
         cos = lambda i: q[i][1] / (n[i] * n[1]) if n[i] * n[1] > 0 else 0.
         rc, nan = torch.tensor([cos(i) for i in range(2, k)], dtype=torch.float64), float('nan')
         rn = [n[i] / n[1] if n[1] > 0 else nan for i in range(2, k)]
-        self.stats.append(dict(iter=info['iter'], epoch=info['epoch'], bs=B, trained=int((u[:B] > 0).sum()) if not pooled else len(u) - B,
+        self.stats.append(dict(iter=info['iter'], epoch=info['epoch'], bs=B, trained=int((u > 0).sum()), sources=info['sources'],
                                grad_cos=cos(0), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
                                rand_cos_max=rc.max().item() if len(rc) else nan, rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
                                norm_ratio=n[0] / n[1] if n[1] > 0 else nan, rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
-                               rho=spearman(losses[:B], diag[:B].clamp_min(0).sqrt()), alpha=None, alpha_note=None, lr=info['lr']))
+                               rho=spearman(losses, diag.clamp_min(0).sqrt()), alpha=None, alpha_note=None, lr=info['lr']))
         return self.stats[-1]
 
     def _measure(self, xb, yb, params=None) -> tuple:

@@ -262,19 +262,20 @@ def _state(learn): return {k: v.detach().clone() for k, v in learn.model.state_d
 
 def _same(a, b): return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-@pytest.mark.parametrize('filt', [None, 'blf', 'stale', 'sb'])
+@pytest.mark.parametrize('filt', [None, 'blf', 'stale', 'sb', 'sb_fill'])
 def test_the_probe_leaves_a_vision_fit_bit_for_bit_as_it_was(digits, filt):
     "Weights and BatchNorm buffers, and torch's global random state after the fit, the same with and without the probe"
     make = {None: None, 'blf': lambda: BatchLossFilterCallback(skip_epochs=0), 'stale': StaleLossPruningCallback,
-            'sb': lambda: SelectiveBackpropCallback(start=0, interrupt=0)}[filt]
+            'sb': lambda: SelectiveBackpropCallback(start=0, interrupt=0), 'sb_fill': lambda: SelectiveBackpropCallback(start=0, interrupt=0, fill_batch=True)}[filt]
     cbs = (lambda: [make()] if make else [])
     plain = _fit(lambda: make_dls(*digits, bs=64), bn_cnn, *cbs())
     rng_plain = torch.get_rng_state()
-    probed = _fit(lambda: make_dls(*digits, bs=64), bn_cnn, *cbs(), GradientProbeCallback(every=3, n_random=4))
+    counted = _Steps()
+    probed = _fit(lambda: make_dls(*digits, bs=64), bn_cnn, *cbs(), GradientProbeCallback(every=3, n_random=4), counted)
     assert _same(_state(plain), _state(probed)) and torch.equal(rng_plain, torch.get_rng_state())
     assert [list(v[:3]) for v in plain.recorder.values] == [list(v[:3]) for v in probed.recorder.values]   # losses and accuracy
     stats = probed.probe.stats
-    assert len(stats) == math.ceil(probed.train_iter / 3)   # every third training step (a pruner's epochs have fewer) and all(-1 - 1e-6 <= r['grad_cos'] <= 1 + 1e-6 for r in stats)
+    assert len(stats) == math.ceil(counted.n / 3) and (counted.n < probed.train_iter) == (filt == 'sb_fill')   # every third step (a pool skips batches) and all(-1 - 1e-6 <= r['grad_cos'] <= 1 + 1e-6 for r in stats)
     if filt is None:
         assert all(r['grad_cos'] == pytest.approx(1, abs=1e-6) and r['norm_ratio'] == pytest.approx(1, abs=1e-6) for r in stats)
     if filt in ('blf', 'sb'): assert any(r['trained'] < r['bs'] for r in stats)
@@ -375,7 +376,7 @@ class RowsSpy:
     def __init__(self, probe):
         self.seen, orig = [], probe._step_rows
         def spy():
-            xb, yb, u, B = orig(); self.seen.append((len(u), B, u.clone())); return xb, yb, u, B
+            xb, yb, u, groups = orig(); self.seen.append((len(u), groups[0][1], u.clone())); return xb, yb, u, groups
         probe._step_rows = spy
 
 def test_a_plain_step_is_probed_once_over_its_batch(digits):
@@ -425,17 +426,56 @@ def test_train_mode_beside_a_batch_filter_on_batchnorm_is_warned(digits):
     learn.gradient_probe(every=100, train=True)
     with pytest.warns(UserWarning, match=r"train=True\) beside a batch filter on a model with BatchNorm"), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
 
-def test_a_pooled_step_is_not_compared_with_random_rows_and_a_partial_batch_does_not_crash(digits):
-    "`fill_batch`: the step's rows come from the pool, so random rows of this batch are no twin (NaN, not a cosine of 1); a last, partial batch probes"
+def test_a_pooled_step_is_compared_with_random_twins_of_its_make_up_and_a_partial_batch_probes(digits):
+    "`fill_batch`: the step's rows come from several batches; each random twin takes as many rows of each of them, so `rand_cos` is there"
     set_seed(0)
     dls = make_dls(*digits, bs=64, drop_last=False)
     learn = Learner(dls, bench_cnn(), loss_func=CrossEntropyLossFlat())
     learn.selective_backprop(keep=.6, start=0., end=1., interrupt=0, fill_batch=True)
     learn.gradient_probe(every=1)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
-    pooled = [r for r in learn.probe.stats if math.isnan(r['rand_cos'])]
-    assert pooled and all(math.isnan(r['rand_norm_ratio']) for r in pooled)
-    assert learn.probe.stats[-1]['iter'] == len(dls.train) - 1   # the partial last batch was probed
+    stats = learn.probe.stats
+    pooled = [r for r in stats if r['sources'] > 1]
+    assert pooled and all(math.isfinite(r['rand_cos']) and math.isfinite(r['rand_norm_ratio']) for r in stats)
+    assert all(r['trained'] == 64 for r in stats[:-1]) and stats[-1]['iter'] == len(dls.train) - 1   # full steps; the partial last batch was probed
+    assert learn.loss_filter.pool.sources.keys() <= set(learn.loss_filter.pool.src.tolist())   # only the batches of rows still waiting are held
+
+class PooledSpy:
+    "At each probed step: its rows, weights and groups, the columns compared, the pooled batch the model trains, and brute-force per-example gradients"
+    def __init__(self, probe):
+        self.seen, rows, cols = [], probe._step_rows, probe._columns
+        def step_rows():
+            xb, yb, u, groups = rows()
+            m = probe.learn.model
+            self.seen.append(dict(u=u.clone(), groups=groups, x=xb[0], trained=probe.learn.xb[0].clone(),
+                                  J=brute_jacobian(m, xb[0], yb[0], list(m.parameters())).double()))
+            return xb, yb, u, groups
+        def columns(u, groups):
+            W = cols(u, groups); self.seen[-1]['W'] = W; return W
+        probe._step_rows, probe._columns = step_rows, columns
+
+def test_a_pooled_steps_cosines_match_real_backward_passes_over_its_source_batches(digits):
+    "The pooled step's gradient against each source batch's mean in the step's shares, and its random twins, from one backward pass per example"
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=48), mlp(), loss_func=CrossEntropyLossFlat())
+    learn.selective_backprop(keep=.4, start=0., end=1., interrupt=0, fill_batch=True)
+    learn.gradient_probe(every=2, n_random=3, alpha=False)
+    spy = PooledSpy(learn.probe)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    seen = [s for s in spy.seen if len(s['groups']) > 1]
+    assert seen and len(spy.seen) == len(learn.probe.stats)
+    for s, r in zip(spy.seen, learn.probe.stats):
+        u, groups, J, W = s['u'], s['groups'], s['J'], s['W']
+        n = sum(t for *_, t in groups)
+        in_pool_order = groups[1:] + groups[:1]   # the probed batch is the pool's newest source, put first for α
+        assert torch.equal(torch.cat([s['x'][o:o + size][u[o:o + size] > 0] for o, size, _ in in_pool_order]), s['trained'])   # the rows the model trains
+        v = torch.cat([torch.full((size,), t / (n * size), dtype=torch.float64) for _, size, t in groups])
+        g, ref = J.T @ u, J.T @ v
+        cos = lambda a: (a @ ref / (a.norm() * ref.norm())).item()
+        assert r['grad_cos'] == pytest.approx(cos(g), abs=1e-5) and r['norm_ratio'] == pytest.approx((g.norm() / ref.norm()).item(), rel=1e-5)
+        assert r['rand_cos'] == pytest.approx(sum(cos(J.T @ W[:, i]) for i in range(2, W.shape[1])) / (W.shape[1] - 2), abs=1e-5)
+        for i in range(2, W.shape[1]):   # each twin: as many rows of each source batch as the step took, with the step's weights
+            assert all(int((W[o:o + size, i] > 0).sum()) == t and W[o:o + size, i].sum() == pytest.approx(u[o:o + size].sum()) for o, size, t in groups)
 
 def test_the_alpha_column_holds_the_alphas_known_in_its_epoch(digits):
     "One batch an epoch: a step's α is known at the next batch, in the next epoch, and its column is that epoch's; the fit's last step is marked"
