@@ -12,7 +12,7 @@ import torch
 from fastai.basics import Callback, CancelFitException, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
-from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback
+from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback, proxy_opt
 from .core import plain, frozen_norm_stats
 from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
@@ -277,12 +277,16 @@ def _train_batch(learn) -> tuple:
     return plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
 
 def _timing(learn, *models) -> tuple:
-    "A training batch of `learn` (plain tensors), and a timed training step for each of `models` (on the loaders' device, in training mode, Adam at 1e-6)"
+    "A training batch of `learn` (plain tensors), and a timed training step for each of `models` (on the loaders' device, in training mode) with an optimizer made as the Learner's"
     xb, yb = _train_batch(learn)
     def stepper(m):
         m.to(learn.dls.device).train()
-        opt = torch.optim.Adam(m.parameters(), lr=1e-6)
-        def step(): learn.loss_func(first_output(m(*xb)), *yb).backward(); opt.step(); opt.zero_grad()
+        opt = proxy_opt(learn, m)   # `create_opt`'s rules on the Learner's `opt_func`, as the proxy's own
+        sched = {k: v for k, v in opt.hypers[-1].items() if k == 'mom'} | {'lr': 1e-6}
+        def step():
+            learn.loss_func(first_output(m(*xb)), *yb).backward()
+            for k, v in sched.items(): opt.set_hyper(k, [v])   # what fastai's scheduler writes each batch, and the proxy follows (at a rate of 1e-6)
+            opt.step(); opt.zero_grad()
         return step
     return xb, yb, [stepper(m) for m in models]
 

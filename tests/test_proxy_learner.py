@@ -291,3 +291,18 @@ def test_fill_batch_refuses_only_loaders_that_pad_their_batches():
     assert 'Pad_Chunk' in why and 'pads each batch' in why
     assert _pool_refusal(TfmdDL(list(range(8)), bs=2)) is None
     assert _pool_refusal(tab_learner(tabular_df()).dls.train) is None   # tabular's weighted loader only picks its order
+
+@pytest.mark.parametrize('how', ['fastai', 'wrapper'])
+def test_the_timed_proxy_cost_steps_both_models_with_the_learners_optimizer(digits, how):
+    "The proxy's timed step cost is charged with the optimizer the proxy trains with (and the model's with the Learner's), not a stand-in"
+    from loss_filters.runs import learner_proxy_cost
+    made = []
+    base = Adam if how == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW)
+    def opt_func(params, **kw):
+        params = list(params); made.append(sum(p.numel() for p in params)); return base(params, **kw)
+    learn, proxy = learner(digits, opt_func=opt_func), net(width=8)
+    before = {k: p.detach().clone() for k, p in learn.model.named_parameters()}
+    cost = learner_proxy_cost(learn, proxy, n=1)
+    assert sorted(made) == sorted([sum(p.numel() for p in m.parameters()) for m in (learn.model, proxy)])
+    assert cost['score'] > 0 and cost['step'] > 0 and learn.opt is None   # the Learner's own optimizer is not made
+    assert all(torch.allclose(before[k], p, atol=1e-4) for k, p in learn.model.named_parameters())   # its weights moved at a rate of 1e-6
