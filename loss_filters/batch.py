@@ -10,7 +10,7 @@ from torch import nn, Tensor
 from fastcore.basics import store_attr, patch, noop
 from fastcore.meta import delegates
 from fastcore.foundation import L
-from fastai.torch_core import find_bs, norm_bias_params
+from fastai.torch_core import find_bs, norm_bias_params, trainable_params
 from fastai.optimizer import OptimWrapper
 from fastai.callback.core import Callback, CancelBatchException
 from fastai.callback.mixup import MixHandler
@@ -24,9 +24,10 @@ from .proxy import ProxyScorer, check_score_model
 
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool', 'SelectiveBackpropCallback',
-           'BatchLossFilterCallback', 'TopLossCallback', 'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns',
-           'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
+__all__ = ['PRECISIONS', 'param_groups', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool',
+           'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'TopLossCallback', 'RandomBatchCallback',
+           'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain',
+           'frozen_norm_stats', 'downsample', 'take']
 
 # %% ../nbs/01_batch.ipynb #aa058af1
 # the shared base's names, and the step's functions now in `core`, keep their old import path, `loss_filters.batch`
@@ -51,12 +52,23 @@ def _like(opt:torch.optim.Optimizer, # a built torch optimizer
     kw = opt.defaults if any(p.kind is p.VAR_KEYWORD for p in sig.values()) else {k: v for k, v in opt.defaults.items() if k in sig}
     return type(opt)(params, **kw)
 
-def proxy_opt(learn:Learner, # the Learner whose `opt_func`, `lr`, `wd_bn_bias` and `train_bn` the proxy's optimizer follows
+def param_groups(learn:Learner, # the Learner whose `splitter` splits its model into groups
+                 model:nn.Module) -> list: # a model: the proxy, or the Learner's own
+    "`model`'s trainable parameters in groups: by the Learner's `splitter` where it splits `model` into as many groups as the Learner's model, else one group"
+    one = [[p for p in model.parameters() if p.requires_grad]]
+    if learn.splitter is trainable_params: return one
+    try: groups, ref = learn.splitter(model), learn.splitter(learn.model)
+    except Exception: return one   # a splitter written for the Learner's architecture (`model[1]`, `model.head`...) that does not fit the proxy's
+    groups = [[p for p in g if p.requires_grad] for g in groups]
+    same = sorted(id(p) for g in groups for p in g) == sorted(id(p) for p in one[0])   # each of `model`'s own trainable parameters, once
+    return groups if len(groups) == len(ref) and all(groups) and same else one
+
+def proxy_opt(learn:Learner, # the Learner whose `opt_func`, `lr`, `splitter`, `wd_bn_bias` and `train_bn` the proxy's optimizer follows
               model:nn.Module): # the proxy
     "An optimizer for `model` made as `Learner.create_opt` makes the Learner's; an `OptimWrapper` given built: a new one of its torch class and settings"
-    params, f = [p for p in model.parameters() if p.requires_grad], learn.opt_func
-    if isinstance(f, OptimWrapper): opt = OptimWrapper(opt=_like(f.opt, params), hp_map=f.fwd_map)   # fastai uses it as it is: it holds the model's parameters
-    elif callable(f): opt = f(params, lr=learn.lr)
+    groups, f = param_groups(learn, model), learn.opt_func
+    if isinstance(f, OptimWrapper): opt = OptimWrapper(opt=_like(f.opt, [dict(params=g) for g in groups]), hp_map=f.fwd_map)   # fastai uses it as it is: it holds the model's parameters
+    elif callable(f): opt = f(groups if len(groups) > 1 else groups[0], lr=learn.lr)
     else: raise TypeError(f"the Learner's `opt_func` must be an optimizer function (such as `Adam`) or an `OptimWrapper`, got {type(f).__name__}")
     if not learn.wd_bn_bias:
         for p in norm_bias_params(model, True): opt.state[p]['do_wd'] = False
@@ -65,11 +77,12 @@ def proxy_opt(learn:Learner, # the Learner whose `opt_func`, `lr`, `wd_bn_bias` 
     return opt
 
 def follow_hypers(opt, # the proxy's fastai optimizer (`Optimizer` or `OptimWrapper`)
-                  hypers:dict): # the values to take: a group of the Learner's `opt.hypers`
-    "Set each hyper-parameter `opt` shares with `hypers` to its value there, by `set_hyper` (an `OptimWrapper`'s `hypers` is a fresh copy at each read)"
-    own = opt.hypers[0]
-    for k, v in hypers.items():
-        if k in own and own[k] is not v: opt.set_hyper(k, [v])   # a list: `set_hyper` would take a numpy scalar for a list
+                  hypers:list): # the values to take: the Learner's `opt.hypers`, a dict per parameter group
+    "Set each hyper-parameter `opt` shares with `hypers` to its values there, group by group where both have as many groups, else every group to the last's"
+    own = opt.hypers   # an `OptimWrapper`'s is a fresh copy at each read: read it once
+    src = list(hypers) if len(hypers) == len(own) else [hypers[-1]] * len(own)
+    for k in own[0]:
+        if all(k in h for h in src) and any(o[k] is not h[k] for o, h in zip(own, src)): opt.set_hyper(k, [h[k] for h in src])
 
 def _run_seed() -> int:
     "A seed for the proxy's random streams, drawn from torch's global CPU stream and leaving it where it was: the run's seed makes the proxy's"
@@ -175,7 +188,7 @@ class LossFilterCallback(LossFilterBase):
         "The proxy takes the hyper-parameters of the model's step, learns the rows the model learned, and steps where the model stepped"
         px, ev = self.proxy, self._px_events
         if px is None or not self.training: return
-        follow_hypers(px.opt, self.learn.opt.hypers[-1])   # every one the scheduler set (rate, momentum, weight decay...), of the last group
+        follow_hypers(px.opt, self.learn.opt.hypers)   # every one the scheduler set (rate, momentum, weight decay...), group by group
         if 'backward' in ev and 'cancel_backward' not in ev: px.backward(self._px_rows)
         if 'cancel_step' in ev: px.drop()   # the model drops its gradient: so does the proxy
         elif 'step' in ev: px.step()        # no step event under `GradientAccumulation` until it steps: the proxy accumulates too

@@ -306,3 +306,31 @@ def test_the_timed_proxy_cost_steps_both_models_with_the_learners_optimizer(digi
     assert sorted(made) == sorted([sum(p.numel() for p in m.parameters()) for m in (learn.model, proxy)])
     assert cost['score'] > 0 and cost['step'] > 0 and learn.opt is None   # the Learner's own optimizer is not made
     assert all(torch.allclose(before[k], p, atol=1e-4) for k, p in learn.model.named_parameters())   # its weights moved at a rate of 1e-6
+
+def _two_part(width=32):
+    "A body and a head, as `vision_learner` splits its models"
+    return nn.Sequential(nn.Sequential(nn.Conv2d(1, width // 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten()), nn.Linear(width, 10))
+
+def _split(m): return [list(m[0].parameters()), list(m[1].parameters())]
+
+class GroupRates(Callback):
+    order = 100
+    def before_fit(self): self.seen = []
+    def after_batch(self):
+        if self.training: self.seen.append(([h['lr'] for h in self.learn.opt.hypers], [h['lr'] for h in self.learn.loss_filter.proxy.opt.hypers]))
+
+@pytest.mark.parametrize('how', ['fastai', 'wrapper'])
+def test_the_proxy_takes_the_learners_parameter_groups_where_its_splitter_splits_it_and_follows_each(digits, how):
+    "Discriminative rates (`lr=slice(...)`, as `fine_tune` gives): a proxy the Learner's `splitter` splits as it splits the model follows each group's rate"
+    opt_func = Adam if how == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW)
+    def run(proxy):
+        set_seed(0)
+        spy = GroupRates()
+        learn = Learner(make_dls(*digits, bs=64), _two_part(), loss_func=CrossEntropyLossFlat(), splitter=_split, opt_func=opt_func, cbs=spy)
+        fit(learn.batch_loss_filter(skip_epochs=0, score_model=proxy), 1, slice(1e-4, 1e-2))
+        return learn, spy.seen
+    learn, seen = run(_two_part(16))
+    assert len(learn.loss_filter.proxy.opt.hypers) == 2 and seen
+    for mine, px in seen: assert px == pytest.approx(mine) and mine[0] < mine[1] / 10   # two rates, a hundredfold apart
+    learn, seen = run(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)))   # the splitter's first group would be empty: one group, at the head's rate
+    assert len(learn.loss_filter.proxy.opt.hypers) == 1 and all(px == pytest.approx(mine[-1:]) for mine, px in seen)
