@@ -67,7 +67,11 @@ def tabular_df(n=600):
 
 # The slowest files first: `make test` runs a file at a time on each of two workers, so one long file started last
 # would keep one worker busy while the other sits idle.
-SLOWEST = ['test_readme.py', 'test_bench.py', 'test_stats.py', 'test_core.py', 'test_tools.py']
+SLOWEST = ['test_bench.py', 'test_readme.py', 'test_stats.py', 'test_core.py', 'test_scores.py', 'test_tools.py', 'test_probe.py']
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "fastai_free: the code under test never calls fastai (statistics, selection rules in plain torch): "
+                                       "`make test-latest`, the pass against the newest fastai, leaves it out")
 
 def pytest_collection_modifyitems(items):
     rank = lambda item: SLOWEST.index(item.path.name) if item.path.name in SLOWEST else len(SLOWEST)

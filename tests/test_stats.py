@@ -5,6 +5,8 @@ import pytest
 from loss_filters.stats import paired_test, shown, power, seeds_needed, simulate, TYPICAL_LOG_SD
 from loss_filters.verdicts import summarise, add_verdicts, payoff_line
 
+pytestmark = pytest.mark.fastai_free
+
 DRAWS = 4000
 
 def _mc_bound(p:float, draws:int=DRAWS) -> float: return p + 3 * math.sqrt(p * (1 - p) / draws)   # 3 Monte Carlo standard errors
