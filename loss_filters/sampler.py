@@ -197,15 +197,16 @@ class SamplerPruningCallback(LossFilterBase):
         self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
         self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
         if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
-        if not full: self._warn_unvisited(known)
+        if not full: self._warn_unvisited(known, world)
 
-    def _warn_unvisited(self, known:Tensor):
+    def _warn_unvisited(self, known:Tensor, world:int):
         "Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` draws with replacement)"
-        if getattr(self, '_warned_unvisited', False) or known.float().mean() >= .9: return
+        trains = min(len(known), self.n_seen * world)   # a plain epoch's examples: a `drop_last` loader leaves a partial batch out each epoch
+        if getattr(self, '_warned_unvisited', False) or known.sum() >= .9 * trains: return
         self._warned_unvisited = True
-        warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch: the "
-                      "training loader does not draw every example each epoch (it samples with replacement, as `TabWeightedDL`, or draws fewer "
-                      "than the dataset holds); the others are always kept",
+        warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch, "
+                      f"where a plain epoch trains {trains}: the training loader does not draw every example each epoch (it samples with "
+                      "replacement, as `TabWeightedDL`, or draws fewer than the dataset holds); the others are always kept",
                       stacklevel=2)
 
     def _stale_shares(self, known:Tensor, world:int, size:int, inner):
