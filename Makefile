@@ -13,9 +13,11 @@ unexport PYTHONDONTWRITEBYTECODE
 .PHONY: test install sync pytest nbtest test-latest bench export clean
 
 # The newest-fastai environment builds in the background while the first pass runs (pip waits mostly on the network and
-# the disk, the tests on the cores); its tests run once both are done. Its build log: .venv-latest.log.
+# the disk, the tests on the cores); its tests run once both are done. Its build log: .venv-latest.log. The build runs in a
+# process group of its own, stopped whole when `make test` is interrupted (a background job would not see Ctrl-C).
 test: sync
-	@$(MAKE) --no-print-directory $(VENV_LATEST)/.installed > $(VENV_LATEST).log 2>&1 & build=$$!; \
+	@setsid $(MAKE) --no-print-directory $(VENV_LATEST)/.installed > $(VENV_LATEST).log 2>&1 & build=$$!; \
+	trap 'kill -TERM -- -$$build 2>/dev/null; wait $$build; exit 130' INT TERM; \
 	$(MAKE) --no-print-directory pytest nbtest; rc=$$?; \
 	if ! wait $$build; then echo "building $(VENV_LATEST) failed:"; tail -n 30 $(VENV_LATEST).log; exit 1; fi; \
 	exit $$rc

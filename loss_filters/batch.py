@@ -57,7 +57,7 @@ def param_groups(learn:Learner, # the Learner whose `splitter` splits its model 
     "`model`'s trainable parameters in groups: by the Learner's `splitter` where it splits `model` into as many groups as the Learner's model, else one group"
     one = [[p for p in model.parameters() if p.requires_grad]]
     if learn.splitter is trainable_params: return one
-    try: groups, ref = learn.splitter(model), learn.splitter(learn.model)
+    try: groups, ref = list(learn.splitter(model)), list(learn.splitter(learn.model))   # any iterable of groups, as fastai takes
     except Exception: return one   # a splitter written for the Learner's architecture (`model[1]`, `model.head`...) that does not fit the proxy's
     groups = [[p for p in g if p.requires_grad] for g in groups]
     same = sorted(id(p) for g in groups for p in g) == sorted(id(p) for p in one[0])   # each of `model`'s own trainable parameters, once
@@ -185,8 +185,8 @@ class LossFilterCallback(LossFilterBase):
     def after_step(self): self._px_events.add('step')
 
     def after_batch(self):
-        "The proxy takes the hyper-parameters of the model's step, learns the rows the model learned, and steps where the model stepped"
-        px, ev = self.proxy, self._px_events
+        "The proxy takes the hyper-parameters of the model's step, learns the rows the model learned, and steps where the model stepped; a pooled step's source batches are let go"
+        px, ev, self.step_sources = self.proxy, self._px_events, None
         if px is None or not self.training: return
         follow_hypers(px.opt, self.learn.opt.hypers)   # every one the scheduler set (rate, momentum, weight decay...), group by group
         if 'backward' in ev and 'cancel_backward' not in ev: px.backward(self._px_rows)
@@ -317,7 +317,8 @@ class LossFilterCallback(LossFilterBase):
             raise CancelBatchException()
         full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
         self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
-        if self.pool.keep_sources: self.step_sources = [(s[:n_inp], s[n_inp:], rows) for s, rows in self.pool.step_sources]
+        if self.pool.keep_sources:   # handed over once: the step's source batches are held no longer than its batch
+            self.step_sources, self.pool.step_sources = [(s[:n_inp], s[n_inp:], rows) for s, rows in self.pool.step_sources], None
 
 # %% ../nbs/01_batch.ipynb #4615ab0a
 def _unwrap(model:nn.Module) -> nn.Module:
@@ -338,7 +339,7 @@ def _cat(parts:list):
     return type(parts[0])(_cat(list(z)) for z in zip(*parts))
 
 class BatchPool:
-    "Kept examples of several batches, waiting to make a full one; where each came from, and (with `keep_sources`) those batches whole"
+    "Kept examples of several batches, waiting to make a full one; with `keep_sources`, where each came from and those batches whole"
     def __init__(self, keep_sources:bool=False): # keep each batch a pooled row came from while any of its rows waits (for `GradientProbeCallback`)
         self.parts, self.n, self.keep_sources, self.sources, self.step_sources, self._added = [], 0, keep_sources, {}, None, 0
         self.src, self.rows = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)   # per pooled row: its batch's number, its row there
@@ -347,21 +348,26 @@ class BatchPool:
         "Pool `b`: the rows `rows` (default all) of the batch `source` (default `b`)"
         n = find_bs(b)
         self.parts.append(b); self.n += n
+        if not self.keep_sources: return   # no origin to keep: no copy of `rows` to the host, no wait on the device
         self.src = torch.cat([self.src, torch.full((n,), self._added)])
         self.rows = torch.cat([self.rows, torch.arange(n) if rows is None else rows.cpu()])
-        if self.keep_sources: self.sources[self._added] = b if source is None else source
+        self.sources[self._added] = b if source is None else source
         self._added += 1
 
     def take(self, k:int) -> tuple:
-        "The first `k` pooled examples as one batch tuple; the rest stay in the pool. `step_sources`: their batches and rows, in their order"
+        "The first `k` pooled examples as one batch tuple; the rest stay in the pool. With `keep_sources`, `step_sources`: their batches and rows, in their order"
         b = _cat(self.parts)
         self.parts = [map_batch(lambda t: t[k:], b)] if k < self.n else []
         self.n -= k
+        if self.keep_sources: self._take_sources(k)
+        return map_batch(lambda t: t[:k], b)
+
+    def _take_sources(self, k:int):
+        "The first `k` rows' batches and rows into `step_sources`; the batches no row waits for any more let go"
         src, rows, self.src, self.rows = self.src[:k], self.rows[:k], self.src[k:], self.rows[k:]
         ids = src.unique_consecutive().tolist()   # first in, first out: each batch's rows are together
-        self.step_sources = [(self.sources.get(i), rows[src == i]) for i in ids]
+        self.step_sources = [(self.sources[i], rows[src == i]) for i in ids]
         self.sources = {i: s for i, s in self.sources.items() if i >= (self.src[0].item() if self.n else self._added)}
-        return map_batch(lambda t: t[:k], b)
 
 # %% ../nbs/01_batch.ipynb #68566b8d
 class SelectiveBackpropCallback(LossFilterCallback):

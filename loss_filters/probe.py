@@ -162,10 +162,12 @@ class GradientProbeCallback(Callback):
             warnings.warn(f"GradientProbeCallback: {self._empty} of this fit's epochs had no probed step (one step in `every={self.every}` is "
                           f"probed, counted over the fit): their columns are NaN; lower `every` to probe every epoch", stacklevel=2)
 
-    def _step_rows(self) -> tuple:
-        "`(xb, yb, u, groups)`: the rows the Gramian is taken over (the probed whole batch first), the step's weights on them, and the `(offset, size, trained)` of each source batch among them"
+    def _step_rows(self) -> tuple|None:
+        "`(xb, yb, u, groups)`: the rows the Gramian is taken over (the probed whole batch first), the step's weights on them, and the `(offset, size, trained)` of each source batch among them; None for a pooled step whose sources were not kept"
         (xb, yb), filt = self._full, getattr(self.learn, 'loss_filter', None)
-        srcs = getattr(filt, 'step_sources', None) if getattr(filt, 'run', False) and getattr(filt, 'pooled_step', False) else None
+        pooled = getattr(filt, 'run', False) and getattr(filt, 'pooled_step', False)
+        srcs = getattr(filt, 'step_sources', None) if pooled else None
+        if pooled and srcs is None: return None   # a pool made without the probe (it joined after the fit's start): no twin to build
         if srcs is None:   # the step trains rows of this batch alone (asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`)
             B, idxs = find_bs(yb), getattr(filt, 'step_idxs', None)
             weights = filt.step_weights() if hasattr(filt, 'step_weights') and getattr(filt, 'run', False) else None
@@ -205,8 +207,12 @@ class GradientProbeCallback(Callback):
 
     def _probe(self):
         "The probed batch's per-example gradients: their statistics now, or after the step where its α's start comes with them (the derivatives along the step from the same formed gradients)"
-        learn = self.learn
-        xb, yb, u, groups = self._step_rows()
+        learn, rows = self.learn, self._step_rows()
+        if rows is None:
+            warnings.warn("GradientProbeCallback: a pooled `fill_batch` step whose source batches the filter did not keep (the probe joined the "
+                          "Learner after the fit began) is not probed; add the probe before the fit", stacklevel=2)
+            return
+        xb, yb, u, groups = rows
         B, W = groups[0][1], self._columns(u, groups)
         kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
         sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)

@@ -201,7 +201,7 @@ class SamplerPruningCallback(LossFilterBase):
 
     def _warn_unvisited(self, known:Tensor, world:int):
         "Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` draws with replacement)"
-        trains = min(len(known), self.n_seen * world)   # a plain epoch's examples: a `drop_last` loader leaves a partial batch out each epoch
+        trains = len(known) - max(0, self._saved[2] - self.n_seen * world)   # what a plain epoch can reach: `drop_last` leaves a partial batch out
         if getattr(self, '_warned_unvisited', False) or known.sum() >= .9 * trains: return
         self._warned_unvisited = True
         warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch, "

@@ -592,3 +592,16 @@ def test_a_jacobian_too_large_for_auto_leaves_torchjds_gramian_with_a_warning(mo
     with pytest.warns(UserWarning, match="used outside its own module.*engine='jacobian' is exact"):
         G_auto = per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss())
     assert torch.allclose(G_auto, per_example_gramian(model, (x,), (y,), nn.CrossEntropyLoss(), engine='torchjd'))
+
+def test_a_pooled_step_without_its_sources_is_not_probed_as_if_it_trained_its_batch(digits):
+    "A pool made without the probe's request keeps no source batches: the step is left out with a warning, never read as the whole batch"
+    set_seed(0)
+    learn = Learner(make_dls(*digits, bs=64), mlp(), loss_func=CrossEntropyLossFlat())
+    learn.selective_backprop(keep=.5, start=0., end=1., interrupt=0, fill_batch=True)
+    learn.gradient_probe(every=1, alpha=False)
+    real = learn.loss_filter._new_records
+    def no_sources():
+        real(); learn.loss_filter.pool.keep_sources = False
+    learn.loss_filter._new_records = no_sources
+    with pytest.warns(UserWarning, match='did not keep'), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    assert len(learn.probe.stats) == 0   # every step was a pooled one (each batch filtered from the start): none read as its whole batch

@@ -254,6 +254,17 @@ def test_a_drop_last_loader_on_small_data_is_not_warned_about(digits):
         with learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-2)
     assert not [w for w in seen if 'have a loss from an earlier epoch' in str(w.message)]
 
+def test_a_loader_that_draws_half_the_data_each_epoch_is_warned_about(digits):
+    "A loader whose `n` is half its dataset, a new half each epoch: the other half has no loss, which a plain epoch's size does not explain"
+    set_seed(0)
+    dls = make_dls(*digits, bs=64)
+    tr, N = dls.train, len(dls.train_ds)
+    class Half(type(tr)):
+        def get_idxs(self): return torch.randperm(N)[:self.n].tolist()
+    tr.__class__, tr.n = Half, N // 2
+    learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat()).stale_loss_pruning()
+    with pytest.warns(UserWarning, match='have a loss from an earlier epoch'), learn.no_bar(), learn.no_logging(): learn.fit(3, 1e-2)
+
 # ------------------------------------------------------------------ an epoch never pruned to nothing
 class TrainedRows(Callback):
     "The examples each epoch trained on, counted at the loss"
