@@ -58,10 +58,10 @@ $(VENV_LATEST)/.installed: setup.py settings.ini
 	$(VENV_LATEST)/bin/python $(PIP_INSTALL) -U -e '.[distributed,grad]' fastai pytest pytest-xdist hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
 	touch $@
 
-# Tests marked `fastai_free` (statistics, selection rules in plain torch) call no fastai code: the first pass ran them.
+# Tests marked `fastai_neutral` (statistics, selection rules in plain torch) test nothing of fastai's behaviour: the first pass ran them.
 test-latest: $(VENV_LATEST)/.installed
 	$(VENV_LATEST)/bin/python -c "import fastai, fastcore, torch; print('latest env: fastai', fastai.__version__, 'fastcore', fastcore.__version__, 'torch', torch.__version__)"
-	$(call PYTEST,$(VENV_LATEST)/bin) -m 'not fastai_free'
+	$(call PYTEST,$(VENV_LATEST)/bin) -m 'not fastai_neutral'
 
 # The main job: every method side by side on Fashion-MNIST (scikit-learn's digits when it is absent).
 BENCH_ARGS ?=

@@ -70,8 +70,9 @@ def tabular_df(n=600):
 SLOWEST = ['test_bench.py', 'test_readme.py', 'test_stats.py', 'test_core.py', 'test_scores.py', 'test_tools.py', 'test_probe.py']
 
 def pytest_configure(config):
-    config.addinivalue_line('markers', "fastai_free: the code under test never calls fastai (statistics, selection rules in plain torch): "
-                                       "`make test-latest`, the pass against the newest fastai, leaves it out")
+    config.addinivalue_line('markers', "fastai_neutral: tests of the statistics and of the selection rules in plain torch, whose outcome fastai's "
+                                       "version does not change (at most a callback is built to check a method's settings, as other tests do): "
+                                       "`make test-latest`, the pass against the newest fastai, leaves them out")
 
 def pytest_collection_modifyitems(items):
     rank = lambda item: SLOWEST.index(item.path.name) if item.path.name in SLOWEST else len(SLOWEST)

@@ -141,14 +141,14 @@ def _reference_share(l, p, s):
     k = max(k_loss, int((~np.isfinite(key)).sum()), math.ceil(round(n * s, 9)), 1)
     return order[:min(k, n)]
 
-@pytest.mark.fastai_free
+@pytest.mark.fastai_neutral
 @fast(3000)
 @given(l=st.one_of(loss_vectors, small_vectors), p=st.floats(0, 1), s=st.sampled_from([0., 0., .1, .25, .5, 1.]))
 def test_property_loss_share_is_smallest_top_prefix(l, p, s):
     idx = select_by_loss_share(l, min_loss_perc=p, min_sample_perc=s).tolist()
     assert idx == _reference_share(l.numpy(), p, s)
 
-@pytest.mark.fastai_free
+@pytest.mark.fastai_neutral
 @fast(2500)
 @given(l=st.one_of(loss_vectors, small_vectors), p=st.floats(0, 1), s=st.floats(0, 1))
 def test_property_loss_share_sizes_and_invariants(l, p, s):
@@ -165,7 +165,7 @@ def test_property_loss_share_sizes_and_invariants(l, p, s):
     fin = torch.where(key.isfinite(), key, 0.).double()
     assert fin[idx].sum() >= p * fin.sum() - 1e-9 * fin.sum()    # the share is reached
 
-@pytest.mark.fastai_free
+@pytest.mark.fastai_neutral
 @fast(2500)
 @given(l=st.one_of(loss_vectors, small_vectors), keep=st.floats(1e-3, 1), seed=st.integers(0, 2**31))
 def test_property_rank_sizes_distinct_in_range(l, keep, seed):
@@ -175,7 +175,7 @@ def test_property_rank_sizes_distinct_in_range(l, keep, seed):
     assert len(set(idx.tolist())) == len(idx) and idx.min() >= 0 and idx.max() < n
     assert idx.tolist() == select_by_rank(l, keep, generator=torch.Generator().manual_seed(seed)).tolist()
 
-@pytest.mark.fastai_free
+@pytest.mark.fastai_neutral
 @fast(2000)
 @given(pct=st.floats(0, 1, exclude_max=True), b=st.integers(0, 10000), start=st.floats(0, 1), end=st.floats(0, 1),
        interrupt=st.integers(0, 7))

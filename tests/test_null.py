@@ -5,7 +5,7 @@ import pytest
 from loss_filters.compare import read_runs, judge
 from loss_filters.verdicts import payoff_word
 
-pytestmark = pytest.mark.fastai_free
+pytestmark = pytest.mark.fastai_neutral
 
 RUNS = Path(__file__).parent.parent / 'nbs' / 'bench_runs' / 'long_preset_5seeds_runs.jsonl.gz'
 PLAIN = {9: 'baseline', 5: 'baseline:epochs=5', 7: 'baseline:epochs=7', 8: 'baseline:epochs=8'}

@@ -5,7 +5,7 @@ import pytest
 from loss_filters.stats import paired_test, shown, power, seeds_needed, simulate, TYPICAL_LOG_SD
 from loss_filters.verdicts import summarise, add_verdicts, payoff_line
 
-pytestmark = pytest.mark.fastai_free
+pytestmark = pytest.mark.fastai_neutral
 
 DRAWS = 4000
 
