@@ -334,3 +334,28 @@ def test_the_proxy_takes_the_learners_parameter_groups_where_its_splitter_splits
     for mine, px in seen: assert px == pytest.approx(mine) and mine[0] < mine[1] / 10   # two rates, a hundredfold apart
     learn, seen = run(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)))   # the splitter's first group would be empty: one group, at the head's rate
     assert len(learn.loss_filter.proxy.opt.hypers) == 1 and all(px == pytest.approx(mine[-1:]) for mine, px in seen)
+
+class AfterFits(Callback):
+    "The model's and the proxy's body parameters at the end of each fit"
+    order = 100
+    def __init__(self): self.bodies = []
+    def after_fit(self):
+        self.bodies.append(([p.detach().clone() for p in self.learn.model[0].parameters()],
+                            [p.detach().clone() for p in self.learn.loss_filter.proxy.model[0].parameters()]))
+
+def test_under_fine_tune_the_proxy_follows_each_groups_rate_and_trains_its_body_while_the_model_is_frozen(digits):
+    "fastai's `fine_tune`: a frozen epoch (the model's body fixed), then an unfrozen one at discriminative rates; freezing stays the Learner's"
+    set_seed(0)
+    spy, ends = GroupRates(), AfterFits()
+    learn = Learner(make_dls(*digits, bs=64), _two_part(), loss_func=CrossEntropyLossFlat(), splitter=_split, cbs=[spy, ends])
+    proxy = _two_part(16)
+    learn.batch_loss_filter(skip_epochs=0, score_model=proxy, train_every=1)
+    body, px_body = [p.detach().clone() for p in learn.model[0].parameters()], [p.detach().clone() for p in proxy[0].parameters()]
+    with learn.no_bar(), learn.no_logging(): learn.fine_tune(1, 1e-2, freeze_epochs=1)
+    assert len(learn.loss_filter.proxy.opt.hypers) == 2 and len(spy.seen) == len(learn.dls.train) and len(ends.bodies) == 2
+    for mine, px in spy.seen: assert px == pytest.approx(mine)
+    assert spy.seen[-1][0][0] < spy.seen[-1][0][1] / 10   # the unfrozen epoch's discriminative rates, followed
+    (model_frozen, px_frozen), (model_end, _) = ends.bodies
+    assert all(torch.equal(a, b) for a, b in zip(body, model_frozen))   # the frozen fit left the model's body as it was
+    assert not all(torch.equal(a, b) for a, b in zip(px_body, px_frozen))   # while the proxy's body learned
+    assert not all(torch.equal(a, b) for a, b in zip(body, model_end))   # the model's body learned once unfrozen
