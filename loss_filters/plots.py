@@ -45,8 +45,6 @@ def plot_colors(names:list, control_of:dict|None=None) -> dict:
     out |= {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(mine)}
     return out | {c: out.get(m, 'grey') for c, m in of.items() if c in names}
 
-def _colors(names:list) -> dict: return plot_colors(names)
-
 def _spread_x(xs:list, width:float) -> list:
     "Positions `xs` moved apart by `width` where two fall on the same spot (two controls at the same work)"
     out = []
