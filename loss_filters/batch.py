@@ -22,7 +22,6 @@ from .core import *
 from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loader, orders_own_batches, by_keyword
 from .proxy import ProxyScorer, check_score_model
 
-
 # %% auto #0
 __all__ = ['PRECISIONS', 'param_groups', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool',
            'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'TopLossCallback', 'RandomBatchCallback',
@@ -428,20 +427,47 @@ class TopLossCallback(LossFilterCallback):
 
 # %% ../nbs/01_batch.ipynb #1f563ae3
 class RandomBatchCallback(LossFilterCallback):
-    "Control for batch filters: train on a uniformly random share `keep` of each filtered batch, on a filter's schedule"
+    "Control for batch filters: train on a uniformly random share `keep` of each filtered batch, on a filter's schedule, without scoring it"
     same_count = True   # `max(1, round(keep*n))` of every batch
     def __init__(self, *, # settings by keyword only
                  keep:float=.5, # share of each filtered batch kept, in (0, 1]
                  start:float=0., end:float=1., interrupt:int=0, skip_epochs:int=0, # the schedule of the filter it controls
                  fill_batch:bool=False, # pool kept examples into full batches, as the filter does
-                 score_model:nn.Module|None=None, train_every:int=4): # a proxy scorer, trained as the filter trains its own (its scores unused)
+                 score_model:nn.Module|None=None, train_every:int=4, # a proxy scorer, trained as the filter trains its own (its scores unused)
+                 scored:bool=False): # score each filtered batch anyway, for the loss records and diagnostics; the choice never reads the scores
         check_range('keep', keep, 0, 1, lo_open=True)
-        if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
+        if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch')
         super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch, score_model=score_model,
                          train_every=train_every)
-        self.keep = keep
+        self.keep, self.scored = keep, scored
 
     def select(self, scores): return select_at_random(scores, self.keep, generator=getattr(self, 'gen', None))
+
+    @property
+    def blind(self) -> bool: return not self.scored and self.proxy is None   # a proxy is scored as its filter scores it: it learns from that pass
+
+    def _selected(self, bs:int) -> Tensor:
+        "Without a scoring pass: the batch's random rows (at least two), recorded with unknown losses"
+        if not self.blind: return super()._selected(bs)
+        dev = self.learn.yb[0].device
+        idxs = self.select(torch.zeros(bs, device=dev))   # only the batch's size is read
+        if len(idxs) == 1 and bs > 1: idxs = torch.randperm(bs, device=dev, generator=getattr(self, 'gen', None))[:2]   # a step on one breaks BatchNorm
+        idxs = idxs.sort().values
+        self.n_kept += len(idxs)
+        self._blind_rows.append(dict(iter=self.learn.train_iter, kept=len(idxs), bs=bs, loss_share=math.nan, full_loss=math.nan, epoch=self.epoch))
+        return idxs
+
+    def _new_epoch(self):
+        super()._new_epoch()
+        self._blind_rows = []
+
+    def _fold_epoch(self):
+        super()._fold_epoch()
+        self.stats += self._blind_rows   # the kept share of each blind batch; its losses are unknown
+
+    def after_train(self):
+        super().after_train()
+        if self._blind_rows: self.epoch_stats[-1].update(loss_perc=math.nan, full_loss=math.nan)   # no loss covers the batches chosen blind
 
 # %% ../nbs/01_batch.ipynb #255d746b
 @patch

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
-import inspect, json, math, platform, random, statistics, sys, time, warnings
+import contextlib, functools, inspect, json, math, os, platform, random, statistics, sys, time, warnings
 # a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line
 warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
 from functools import partial
@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from fastcore.script import anno_parser
+from fastcore.basics import store_attr
 from fastai.basics import Learner, DataLoaders, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
-from .core import plain, frozen_norm_stats, take, check_range
+from .core import plain, frozen_norm_stats, take, check_range, check_int
 from .batch import LossFilterCallback
 from .geometry import per_example_gramian
 from .probe import GradientProbeCallback
@@ -23,13 +24,15 @@ from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, le
 from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
+from .plan import fit_executor
 from .runs import *       # the benchmark's pieces keep their old import path, `loss_filters.bench`
 from .verdicts import *
 from .plots import *
 
 # %% auto #0
 __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_work_costs', 'valid_accuracy', 'run_method',
-           'plain_step_seconds', 'measure_score_cost', 'profile_step', 'probe_cost', 'lf_bench', 'main']
+           'plain_step_seconds', 'measure_score_cost', 'profile_step', 'probe_cost', 'BenchLearners', 'lf_bench',
+           'main']
 
 # %% ../nbs/03_bench.ipynb #94125ca3
 # `quick`: `make bench`, minutes. `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length
@@ -226,6 +229,22 @@ def _preset_target(pre:dict, data_name:str, epochs:int, lr:float, bs:int, n_trai
             == (pre['epochs'], pre['lr'], pre['bs'], pre['n_train'], pre['augment']))
     return pre.get('target') if same else None
 
+@functools.lru_cache(maxsize=2)
+def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool) -> tuple:
+    "`(dls, name)` of the bench's data, loaded once per process for every fit that asks"
+    dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise)
+    if augment: dls.train.after_batch = CropFlip(pad=2)
+    return dls, name
+
+class BenchLearners:
+    "The bench's `make_learner` (call it) and `make_proxy` (`.proxy(width)`) as one picklable object: each worker process loads the data once"
+    def __init__(self, data:str, bs:int, n_train:int|None, n_valid:int|None, seed:int, label_noise:float=0., augment:bool=False, model:str='cnn'):
+        store_attr()
+    @property
+    def dls(self) -> DataLoaders: return _bench_dls(self.data, self.bs, self.n_train, self.n_valid, self.seed, self.label_noise, self.augment)[0]
+    def __call__(self) -> Learner: return bench_learner(self.dls, self.model)
+    def proxy(self, width:float) -> nn.Module: return make_model(self.model, self.dls, width)
+
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
          preset:str='quick', # `quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
@@ -253,7 +272,8 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
          resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
-         alpha:float=.05): # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
+         alpha:float=.05, # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
+         jobs:int=1): # fits trained side by side, each in its own process on its share of the cores (`make bench`: one per core); 1: one after another here
     "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     pre = PRESETS[preset]
@@ -268,25 +288,28 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
-    dls, data_name = load_dls(data, bs=bs, n_train=n_train or None, n_valid=n_valid or None, seed=seed, label_noise=label_noise)
-    if augment: dls.train.after_batch = CropFlip(pad=2)
+    check_int('jobs', jobs, 1)
+    dls, data_name = _bench_dls(data, bs, n_train or None, n_valid or None, seed, label_noise, augment)
+    make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model)   # the same data in every worker
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if probe_cost: return _probe_cost(dls, data_name, model, seed, out, max(repeats, 3))
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else torch.get_num_threads()
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
           f"{' (crop and flip)' if augment else ''}, bs={bs}, "
-          f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, torch threads={torch.get_num_threads()}"
+          f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, "
+          + (f"{jobs} fits at a time, {threads} torch thread(s) each" if jobs > 1 else f"torch threads={threads}")
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
-    make = partial(bench_learner, dls, model)
     if target is None and not reference_seeds: target = _preset_target(pre, data_name, epochs, lr, bs, n_train, augment, label_noise, model)
     saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
                                          augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
-    run_fit(make, 'baseline', epochs=1, lr=lr, seed=seed)   # warm-up, not reported
     cost = saved_cost if saved_cost is not None else score_cost   # None: `compare_filters` counts it (and times it beside)
-    def announce(s, sd, rep, kind): print(f"\n== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
-    cmp = compare_filters(make, methods, make_proxy=partial(make_model, model, dls), epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets, metric='accuracy',
-                          lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch, check=valid_accuracy,
-                          score_cost=cost, work=work, reference_seeds=reference_seeds, repeats=repeats, folder=out, resume=resume, show_progress=False, on_run=announce, show_fits=not quiet and sys.stdout.isatty(),
-                          diagnostics=True, warmup=False, add_baseline=False, alpha=alpha)
+    def announce(s, sd, rep, kind): print(f"{'started' if jobs > 1 else '=='} {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
+    with (fit_executor(jobs, threads) if jobs > 1 else contextlib.nullcontext()) as ex:
+        cmp = compare_filters(make, methods, make_proxy=make.proxy, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets,
+                              metric='accuracy', lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch,
+                              check=valid_accuracy, score_cost=cost, work=work, reference_seeds=reference_seeds, repeats=repeats, folder=out, resume=resume,
+                              show_progress=False, on_run=announce, show_fits=not quiet and jobs == 1 and sys.stdout.isatty(), diagnostics=True,
+                              add_baseline=False, alpha=alpha, executor=ex, threads=threads if jobs > 1 else None)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
     cost, st = cmp.settings['score_cost'], cmp.settings
     print(f"a scored example costs {cost:.3f} training steps on this model ({'counted in operations' if st.get('work') == 'flops' else 'timed'}"
@@ -310,7 +333,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         f"plain schedule), geometric means, above 1x when the method needed less; _ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over "
         f"the {seeds} seed(s); every verdict a one-sided test at {pct_text(alpha)}\n" + format_table(rows) + '\n'
         + '\n'.join(verdict_lines(rows, budget_runs, control_of) + cmp.payoffs()) + '\n')
-    print(f"\n{cmp}\n\n{cmp.brief()}\n\n" + '\n'.join(cmp.payoffs()) + f"\n\nEvery figure of every run and control, and every verdict: {out / 'table.txt'}")
+    print(f"\n{cmp}\nEvery figure of every run and control, and every test in words: {out / 'table.txt'}")
     for s, p in prof.items():
         print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
               f"own work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (its batch step {p['before_batch']*1e3:.3f} "

@@ -5,6 +5,7 @@
 # %% ../nbs/11_compare.ipynb #64689ed7
 from __future__ import annotations
 import json, platform, sys, textwrap, time, warnings
+from functools import partial
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
@@ -16,8 +17,9 @@ from .runs import (parse_method, judged_method, metric_sign, run_fit, add_work, 
                                seeded_proxy, StopAfter, BLIND)
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
                                    best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text,
-                                   mult_text, diff_text, knee_target)
+                                   mult_text, diff_text, knee_target, target_cell, method_note)
 from .plots import budget_figure, time_figure, save_figure, plot_colors, metric_label
+from .plan import Fit, comparison_plan, run_plan, train_fit, check_executor, default_threads, executor_workers
 
 # %% auto #0
 __all__ = ['Comparison', 'estimate_text', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
@@ -80,46 +82,53 @@ class Comparison:
         lvl, has, unit = ci_level(self.rows), bool(self.budgets), self.unit
         skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
         d = lambda v: diff_text(v['diff'], unit)
-        pts = lambda v: f"{d(v)} {v['verdict']}" if v else '-'   # in the metric's units, + better, as in the payoff lines
+        pts = lambda v: f"{d(v)} {v['verdict']}" if v else ''   # in the metric's units, + better, as in the payoff lines
         num = lambda x: diff_text(x, unit).split()[0]   # the number alone: the unit is in the column before
-        ci = lambda v: f"{num(v['lo'])} to {num(v['hi'])}" if v and v.get('lo') is not None else '-'
-        held = lambda v: '-' if not v else f"{d(v)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
+        ci = lambda v: f"{num(v['lo'])} to {num(v['hi'])}" if v and v.get('lo') is not None else ''
+        held = lambda v: '' if not v else f"{d(v)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
         rows = [r for r in self.rows if r['method'] not in skip]
         own = any(r.get('vs_self') for r in rows)   # a proxy-scored method: against the same filter scored by the model
         cols = ['method', 'seeds', 'equal_work', f'ci{lvl}', f'payoff_at_{pct_text(self.alpha)}', 'vs_plain', 'vs_random',
                 'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own
         return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('vs_budget')), ci(r.get('vs_budget')), payoff_word(r, has),
                                       held(r.get('vs_plain')), pts(r.get('vs_random')),
-                                      f"{'≤' if r.get('target_censored') else ''}{ratio_text(payoff_test(r, has)[0])} ({r['reached']}/{r['repeats']})",
-                                      ci_text(r.get('vs_best_plain_work_ci')) or '-'] + [pts(r.get('vs_self'))] * own for r in rows])
+                                      target_cell(r, has), ci_text(r.get('vs_best_plain_work_ci')) or ''] + [pts(r.get('vs_self'))] * own for r in rows])
+
+    def _judged(self) -> list:
+        "The rows of the methods judged (not the plain model, its schedules or the controls)"
+        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
+        return [r for r in self.rows if r['method'] not in skip]
 
     def short(self) -> str:
-        "What to read first, in a terminal's width: the setting in a sentence, a small table of the payoffs, how to get the rest"
-        lvl, has, unit = ci_level(self.rows), bool(self.budgets), self.unit
-        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
+        "What `print(cmp)` shows: a table of the verdicts, what its columns mean in two lines, then one line per method on what the table leaves out"
+        lvl, has, unit, a = ci_level(self.rows), bool(self.budgets), self.unit, self.alpha
+        rows, tgt = self._judged(), f"{self.target_value:.4f}"
+        num = lambda x: diff_text(x, unit).split()[0]   # the unit is in the legend
+        def equal_work(v):
+            if not v: return 'not read'
+            return num(v['diff']) + (f" ({num(v['lo'])} to {num(v['hi'])})" if v.get('lo') is not None else '')
+        def needs(v):
+            if not v or v.get('x') is None: return 'not read'
+            return mult_text(v['x'], v['x_censored']) + (f" ({mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])})"
+                                                           if v.get('x_lo') is not None else '')
+        table = _text_table([['method', 'verdict', 'at equal work', 'training less needs', f'to target {tgt}']] +
+                            [[r['method'], payoff_word(r, has).split(' (')[0], equal_work(r.get('vs_budget')), needs(r.get('vs_budget')),
+                              target_cell(r, has)] for r in rows])
         better = 'lower' if self.sign < 0 else 'higher'
-        head = (f"Compared on {metric_label(self.metric)} ({better} is better) over {seeds_text(self.settings['seeds'])}; tests at {pct_text(self.alpha)}. "
-                f"Work counted in {'operations (FLOPs)' if self.settings.get('work') == 'flops' else 'measured step times'}.")
-        what = ("'at equal work': the method's final value against the plain model trained less, at the method's own work (the curve over "
-                f"every seed's plain schedules), in {'points' if unit == 'points' else unit}, + better; 'training less needs': the plain curve's work "
-                "to match the method over the method's work. The payoff comes from these. 'to target': the second reading, the cheapest plain "
-                f"schedule's work to {self.target_value:.4f} ({self.target_source}) over the method's, a miss counted as at most its whole work.")
-        def row(r):
-            v = r.get('vs_budget') or {}
-            x, _ = payoff_test(r, has)
-            return [r['method'], str(r.get('seeds', 1)), diff_text(v['diff'], unit) if v else '-',
-                    mult_text(v.get('x'), v.get('x_censored')) if v else '-',
-                    f"{mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else '-',
-                    payoff_word(r, has), f"{'≤' if r.get('target_censored') else ''}{ratio_text(x)} ({r['reached']} of {r['repeats']})"]
-        table = _text_table([['method', 'seeds', 'at equal work', 'training less needs', f'{lvl}% interval', 'payoff', 'to target']] +
-                            [row(r) for r in self.rows if r['method'] not in skip])
-        return '\n'.join([textwrap.fill(head, 100), textwrap.fill(what, 100), '', table, '',
-                          'More: cmp.brief() (accuracy verdicts), cmp.verdicts (in words), cmp.table (every figure).'])
+        head = (f"{metric_label(self.metric)} ({better} is better), {seeds_text(self.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
+                f"{'FLOPs' if self.settings.get('work') == 'flops' else 'measured step times'}")
+        legend = [f"verdict, at equal work: the method's final value against the plain model trained for the same work (read on the curve of its "
+                  f"schedules), in {'points' if unit == 'points' else unit}, + better, with its {lvl}% interval over seeds; training less needs: the "
+                  "plain model's work to match it, over the method's.",
+                  f"to target: the cheapest plain schedule's work to {tgt} ({self.target_source}) over the method's; 'missed' where no run got there."]
+        return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 110) for l in legend] + [''] +
+                         [textwrap.fill(method_note(r, has), 110, subsequent_indent='  ') for r in rows] +
+                         ['', 'More: cmp.table (every figure of every run and control), cmp.verdicts (every test in words), cmp.plot().'])
 
     @property
     def verdicts(self) -> list:
-        "The payoff lines, then the detailed verdicts (accuracy differences in points of the metric, oriented)"
-        return self.payoffs() + verdict_lines(self.rows, self.budgets, self.control_of)
+        "Every test in words, method by method: to the target, at equal work, against the plain model, random choice and its other controls"
+        return verdict_lines(self.rows, self.budgets, self.control_of)
 
     def plot(self):
         "One figure: the metric against work over the budget curve (with the controls), and against training seconds; `plt.savefig` after it saves both"
@@ -188,7 +197,7 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
     if metric not in names: raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
     return metric, a
 
-def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha=.05):
+def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha=.05, work='flops', reference_seeds=0, folder=None):
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
     for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch).items():
         if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
@@ -200,6 +209,11 @@ def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, 
         if v is None or not 0 < v <= 4 or v == 1:
             raise ValueError(f"`budgets` must be shares of the epochs in (0, 4], other than 1 (below 1: training less; above: longer plain schedules), "
                              f"as a string ('.6 .75 .9 1.25') or a list, got {f!r}")
+    if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
+    if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
+        raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
 
 def _warn_coarse_target(metric:str, target_drop:float, n_valid:int):
     "Warn when the default target sits less than one validation example below the plain model's final value of a share metric (accuracy, error rate)"
@@ -227,18 +241,15 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
 # %% ../nbs/11_compare.ipynb #5f3c3078
 def _epochs_of(spec:str, epochs:int) -> int: return parse_method(spec).epochs(epochs)
 
-def _budget_share(epochs:int, budgets:str) -> float:
-    "The shorter plain schedules' epochs, in full schedules"
-    return sum(int(b.split('=')[1]) for b in budget_specs(epochs, budgets)) / epochs
-
 def _duration(s:float) -> str:
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
-def estimate_text(first_s:float, fits:float, saved:int=0) -> str:
-    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each (its building, training and checks)"
+def estimate_text(first_s:float, fits:float, saved:int=0, workers:int=1) -> str:
+    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each (its building, training and checks), `workers` at a time"
     return (f"compare_filters: a full-schedule fit takes about {_duration(first_s)} here, with its Learner's building and checks; the comparison"
             + (f" ({saved} runs reused from the folder)" if saved else '')
-            + f" needs the time of about {fits:.0f} more such fits, about {_duration(first_s * fits)} on this machine")
+            + f" needs the time of about {fits:.0f} more such fits, about {_duration(first_s * fits / workers)} on this machine"
+            + (f" with {workers} at a time" if workers > 1 else ''))
 
 # %% ../nbs/11_compare.ipynb #64dadaf3
 _SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', 'recall', 'auc', 'top_k')
@@ -346,89 +357,139 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     resume:bool=True, # reuse the runs saved in `folder`; False starts over
                     show_progress:bool=True, # one progress bar over the whole comparison
                     cbs:list|None=None, # more callbacks for every fit
-                    on_run=None, # `on_run(spec, seed, repeat, kind)` before each run that trains
+                    on_run=None, # `on_run(spec, seed, repeat, kind)` before each run is handed to the executor
                     show_fits:bool=False, # fastai's own bar and table for every fit
                     diagnostics:bool=False, # save each filter's diagnostics figure of the first seed in `folder`
-                    warmup:bool=True, # a few untimed steps first, so the first run does not pay for start-up
+                    warmup:bool=True, # a few untimed steps first in each process that trains, so that its first run does not pay for start-up
                     add_baseline:bool=True, # train the plain model first when `methods` lacks it (the default target needs it)
                     alpha:float=.05, # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
-                    make_proxy=None # `make_proxy(width) -> nn.Module`: the small model scoring a method spelled with `proxy=width` (`"blf:proxy=.25"`)
+                    make_proxy=None, # `make_proxy(width) -> nn.Module`: the small model scoring a method spelled with `proxy=width` (`"blf:proxy=.25"`)
+                    executor=None, # runs the fits side by side: anything with `submit(fn, *args)` returning `.result()`/`.done()` (`fit_executor(2)`, loky, dask's `client.get_executor()`, submitit); None: one after another here
+                    threads:int|None=None # compute threads of each fit on `executor`; default: the cores shared out over a local pool's workers
                    ) -> Comparison:
     "Train the plain model and every method from the same seeds on Learners from `make_learner`, beside training less and random choice at each method's share, count their work exactly, and judge each at `alpha`: `print` the result"
-    specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
-    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-        raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
-    widths = sorted({m.proxy for m in map(parse_method, specs) if m.proxy is not None})   # every spec parsed and checked here, once
-    if widths and make_proxy is None: raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s)} score by a proxy: pass `make_proxy`, "
-                                                       "a function of the width share that returns the proxy model")
-    if add_baseline and 'baseline' not in specs: specs.insert(0, 'baseline')   # the target and every paired ratio need the plain model
-    _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha)
-    if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
-    if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
-        raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
+    specs = _method_specs(methods, make_proxy, add_baseline)
+    _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha, work, reference_seeds, folder)
     budgets = budgets if isinstance(budgets, str) else ' '.join(str(b) for b in budgets)
+    plain = _plain_schedules(epochs, budgets) if controls else []
     metric, probe = _check_factory(make_learner, metric)
+    check_executor(executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
     if target is None and not reference_seeds: _warn_coarse_target(metric, .002 if target_drop is None else target_drop, len(probe.dls.valid_ds))
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
                     evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha, work=work,
                     reference_seeds=reference_seeds)
     done = _saved_runs(folder, settings, resume)
-    if done: settings['score_cost'] = json.loads((folder / 'comparison.json').read_text())['score_cost']   # the saved runs' cost
     saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
-    if settings['score_cost'] is None: settings |= _costs(probe, work)
-    else: settings.setdefault('score_cost_timed', saved.get('score_cost_timed'))
-    settings['proxy_cost'] = {str(w): saved.get('proxy_cost', {}).get(str(w)) or _proxy_costs(probe, seeded_proxy(make_proxy, w, seed), work) for w in widths}
-    if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
-    if warmup and len(done) == 0:
-        with probe.no_bar(), probe.no_logging(): probe.fit(1, lr, cbs=StopAfter(3))
+    settings |= _work_costs(probe, settings, saved, _proxy_widths(specs), make_proxy, seed)
+    _save_settings(folder, settings)
     del probe
-    seed_list, runs = range(seed, seed + seeds), []
-    n_filters = sum(parse_method(s).filters for s in specs)   # each gets a random control; the rate controls are extra
-    n_est = len(seed_list) * repeats * (len(specs) + (len(budget_specs(epochs, budgets)) + n_filters if controls else 0)) + reference_seeds * repeats
-    # in full-schedule fits: the methods and random controls at their own epochs, the shorter plain schedules at theirs
-    fits = len(seed_list) * repeats * (sum(_epochs_of(s, epochs) for s in specs) / epochs
-                                       + (_budget_share(epochs, budgets) + n_filters if controls else 0)) + reference_seeds * repeats
-    timed_first = []
-    bar_ok = IN_NOTEBOOK or sys.stdout.isatty()   # to a file or a pipe, a console bar's redraws would be written line after line
-    pbar = progress_bar(range(n_est), leave=False) if show_progress and not show_fits and bar_ok else None
-    if pbar is not None: pbar.update(0)
-    def run_all(todo:list, kind:str):
-        for sd in seed_list:
-            for rep in range(repeats):
-                for s in todo:   # each seed's methods back to back: the time ratios are paired by seed
-                    if (s, sd, rep) in done: runs.append(done[(s, sd, rep)])
-                    else:
-                        if on_run is not None: on_run(s, sd, rep, kind)
-                        if pbar is not None: pbar.comment = f"{s}, seed {sd}" + (f", repeat {rep + 1}" if repeats > 1 else '')
-                        diag = folder if diagnostics and folder is not None and sd == seed and rep == 0 and kind == 'method' else None
-                        t0 = time.perf_counter()
-                        r = run_fit(make_learner, s, epochs=epochs, lr=lr, seed=sd, fit=fit, metric=metric, sign=sign,
-                                    evals_per_epoch=evals_per_epoch, check=check, show_progress=show_fits, diag=diag, cbs=cbs, make_proxy=make_proxy)
-                        w = parse_method(s).proxy
-                        runs.append(add_work(r | dict(seed=sd, repeat=rep), settings['score_cost'], settings['proxy_cost'].get(str(w))))
-                        if kind == 'reference': runs[-1]['reference'] = True   # saved as such: never judged, on resuming too
-                        if not timed_first:   # the first fit trained here: what the rest will take
-                            timed_first.append((time.perf_counter() - t0) * epochs / _epochs_of(s, epochs))   # the whole call: the Learner built, fit, checked
-                            print(estimate_text(timed_first[0], fits * (1 - len(done) / max(n_est, 1)) - _epochs_of(s, epochs) / epochs, len(done)))
-                        if folder is not None:
-                            with open(folder / 'runs.jsonl', 'a') as f: f.write(json.dumps(runs[-1]) + '\n')
-                    if pbar is not None:
-                        pbar.total = max(pbar.total, len(runs) + 1); pbar.update(len(runs))
-    if reference_seeds:   # before the judged runs: the target is fixed from them alone
-        seed_list = range(seed + seeds, seed + seeds + reference_seeds)
-        run_all(['baseline'], 'reference')
-        refs, runs, seed_list = runs, [], range(seed, seed + seeds)
-        if target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
-    run_all(specs, 'method')
-    budget_runs, control_of = [], {}
-    if controls:   # after the methods: a random control needs the share its method really kept, a rate control its rate
-        budget_runs = [b for b in budget_specs(epochs, budgets) if b not in specs]
-        control_of = {s: cs for s in specs if (cs := [c for c in (matched_control(s, runs), rate_control(s, runs), self_scored_control(s)) if c])}
-        run_all(budget_runs + [c for c in control_specs(control_of) if c not in specs], 'control')
-    if pbar is not None: pbar.total = len(runs); pbar.update(len(runs))
+    judged, ref_seeds = range(seed, seed + seeds), range(seed + seeds, seed + seeds + reference_seeds)
+    plan = comparison_plan(specs, judged, repeats, plain, ref_seeds)   # the fits known now; each method's controls join when its runs are in
+    train = partial(train_fit, make_learner, epochs=epochs, lr=lr, fit=fit, metric=metric, sign=sign, evals_per_epoch=evals_per_epoch, check=check,
+                    show_progress=show_fits, cbs=cbs, make_proxy=make_proxy, threads=threads or default_threads(executor),
+                    warmup=warmup and not done)
+    n, fits = _fits_in_schedules(specs, plain, epochs, seeds, repeats, reference_seeds, controls)
+    ledger = _Ledger(folder, settings, n, fits, len(done), executor_workers(executor), show_progress and not show_fits, on_run)
+    results = run_plan(plan, train, executor, done, partial(_control_fits, seeds=judged, repeats=repeats) if controls else None,
+                       on_submit=ledger.submitted, on_result=ledger.finished,
+                       fit_kwargs=partial(_diagnostics_of, folder=folder if diagnostics else None, seed=seed))
+    ledger.close()
+    runs, refs, plain, control_of = _ordered(results, specs, judged, repeats, plain, ref_seeds, controls)
+    if refs and target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
+    _save_settings(folder, settings)
+    return judge(runs, plain, control_of, settings, None if target is None else sign * target, target_drop)
+
+def _method_specs(methods, make_proxy, add_baseline:bool) -> list:
+    "The methods as a list, each parsed and checked once, the plain model first when missing (the target and every paired ratio need it)"
+    specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
+    if _proxy_widths(specs) and make_proxy is None:
+        raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s)} score by a proxy: pass `make_proxy`, a function of the width share "
+                         "that returns the proxy model")
+    return (['baseline'] if add_baseline and 'baseline' not in specs else []) + specs
+
+def _proxy_widths(specs:list) -> list: return sorted({m.proxy for m in map(parse_method, specs) if m.proxy is not None})
+
+def _plain_schedules(epochs:int, budgets:str) -> list:
+    "The other plain schedules `budgets` gives at `epochs`, with a warning where shares give the same schedule or the full one"
+    shares = budgets.split()
+    ks = [max(1, round(float(b) * epochs)) for b in shares]
+    lost = [f"{b} gives {k} epochs" + (' (the full schedule)' if k == epochs else ' (as another share)') for i, (b, k) in enumerate(zip(shares, ks))
+            if k == epochs or k in ks[:i]]
+    if lost: warnings.warn(f"`budgets` {budgets!r} at `epochs={epochs}` gives {len(set(ks) - {epochs})} other plain schedule(s), not {len(shares)}: "
+                           f"{'; '.join(lost)}; pass shares that give distinct schedules, or more `epochs`", stacklevel=3)
+    return budget_specs(epochs, budgets)
+
+def _work_costs(probe, settings:dict, saved:dict, widths:list, make_proxy, seed:int) -> dict:
+    "A scored example's cost and each proxy width's: the saved runs' when resuming (their work stays on one scale), else counted (or timed) on `probe`"
+    cost, work = saved.get('score_cost', settings['score_cost']), settings['work']
+    out = _costs(probe, work) if cost is None else dict(score_cost=cost, score_cost_timed=saved.get('score_cost_timed'))
+    saved_px = saved.get('proxy_cost', {})
+    return out | dict(proxy_cost={str(w): saved_px.get(str(w)) or _proxy_costs(probe, seeded_proxy(make_proxy, w, seed), work) for w in widths})
+
+def _save_settings(folder:Path|None, settings:dict):
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
-    return judge(runs, budget_runs, control_of, settings, None if target is None else sign * target, target_drop)
+
+def _controls_of(spec:str, runs:list) -> list:
+    "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself"
+    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c]
+
+def _control_fits(fit:Fit, results:dict, seeds:range, repeats:int) -> list:
+    "For `run_plan`: a method's controls on every seed, once all of its runs are in"
+    keys = [(fit.spec, sd, rep) for sd in seeds for rep in range(repeats)]
+    if fit.kind != 'method' or not all(k in results for k in keys): return []
+    return [Fit(c, sd, rep, 'control') for sd in seeds for rep in range(repeats) for c in _controls_of(fit.spec, [results[k] for k in keys])]
+
+def _diagnostics_of(fit:Fit, folder:Path|None, seed:int) -> dict:
+    "For `run_plan`: the folder of a filter's diagnostics figure, for each method's first run"
+    return dict(diag=folder) if folder is not None and fit.kind == 'method' and fit.seed == seed and fit.repeat == 0 else {}
+
+def _ordered(results:dict, specs:list, judged:range, repeats:int, plain:list, ref_seeds:range, controls:bool) -> tuple:
+    "`(runs, reference runs, plain schedules, each method's controls)`, the runs in one order wherever they trained: seed by seed the methods, then seed by seed the plain schedules and the controls"
+    at = lambda names, seeds: [results[(s, sd, rep)] for sd in seeds for rep in range(repeats) for s in names]
+    methods = at(specs, judged)
+    control_of = {s: cs for s in specs if (cs := _controls_of(s, methods))} if controls else {}
+    plain = [b for b in plain if b not in specs]
+    others = plain + [c for c in control_specs(control_of) if c not in specs]
+    return methods + at(others, judged), at(['baseline'], ref_seeds), plain, control_of
+
+class _Ledger:
+    "What this process does with each run as it comes back: its work counted, saved to `runs.jsonl`, counted on the bar; after the first, the time estimate"
+    def __init__(self, folder:Path|None, settings:dict, n:int, fits:float, saved:int, workers:int, show:bool, on_run=None):
+        store_attr()
+        self.n_done, self.first = saved, True
+        bar_ok = IN_NOTEBOOK or sys.stdout.isatty()   # to a file or a pipe, a console bar's redraws would be written line after line
+        self.bar = progress_bar(range(n), leave=False) if show and bar_ok else None
+        if self.bar is not None: self.bar.update(saved)
+
+    def submitted(self, f:Fit):
+        if self.on_run is not None: self.on_run(f.spec, f.seed, f.repeat, f.kind)
+
+    def finished(self, f:Fit, run:dict) -> dict:
+        st = self.settings
+        run = add_work(run | dict(seed=f.seed, repeat=f.repeat), st['score_cost'], st['proxy_cost'].get(str(parse_method(f.spec).proxy)))
+        if f.kind == 'reference': run['reference'] = True   # saved as such: never judged, on resuming too
+        if self.folder is not None:
+            with open(self.folder / 'runs.jsonl', 'a') as fh: fh.write(json.dumps(run) + '\n')
+        self.n_done += 1
+        if self.first and 'fit_s' in run:   # the first fit trained here: what the rest will take, its Learner's building and checks included
+            self.first, e, full = False, run['epochs'], st['epochs']
+            print(estimate_text(run['fit_s'] * full / e, self.fits * (1 - self.saved / max(self.n, 1)) - e / full, self.saved, self.workers))
+        if self.bar is not None:
+            self.bar.comment = f"{f.spec}, seed {f.seed}"
+            self.bar.total = max(self.bar.total, self.n_done + 1); self.bar.update(self.n_done)
+        return run
+
+    def close(self):
+        if self.bar is not None: self.bar.total = self.n_done; self.bar.update(self.n_done)
+
+def _fits_in_schedules(specs:list, plain:list, epochs:int, seeds:int, repeats:int, reference_seeds:int, controls:bool) -> tuple:
+    "`(fits, full schedules)` a comparison trains, before its rate and self-scored controls: the methods, plain schedules and random controls on every seed, and the reference runs"
+    n_filters = sum(parse_method(s).filters for s in specs)   # each gets a random control
+    others = [p for p in plain if p not in specs] if controls else []
+    per_seed = len(specs) + len(others) + (n_filters if controls else 0)
+    sched = (sum(_epochs_of(s, epochs) for s in specs + others) / epochs + (n_filters if controls else 0))
+    return seeds * repeats * per_seed + reference_seeds * repeats, seeds * repeats * sched + reference_seeds * repeats
 
 def _costs(probe, work:str) -> dict:
     "A scored example's cost in training steps of `probe`'s model: counted in operations (`work='flops'`) and timed, both kept; the count falls back to the timing where it sees no operation"

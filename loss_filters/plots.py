@@ -4,12 +4,13 @@
 
 # %% ../nbs/10_plots.ipynb #d56e39e0
 from __future__ import annotations
+import math
 from pathlib import Path
 from .verdicts import control_specs
 
 # %% auto #0
-__all__ = ['short_label', 'metric_label', 'plot_colors', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure',
-           'plot_results', 'plot_budget']
+__all__ = ['short_label', 'metric_label', 'plot_colors', 'plain_markers', 'budget_figure', 'time_figure', 'kept_figure',
+           'save_figure', 'plot_results', 'plot_budget']
 
 # %% ../nbs/10_plots.ipynb #479eaf27
 def _plt():
@@ -21,7 +22,7 @@ def short_label(spec:str) -> str:
     name, _, args = spec.partition(':')
     kw = dict(a.split('=', 1) for a in args.split(',') if '=' in a)
     if name in ('random_batch', 'random'): return f"random choice, keep {float(kw.get('keep', 0)):.2f}" + (', full batches' if kw.get('fill_batch') in ('1', 'True') else '')
-    if name == 'baseline' and set(kw) == {'epochs'}: return f"plain, {kw['epochs']} epochs"
+    if name == 'baseline' and set(kw) == {'epochs'}: return f"plain, {kw['epochs']} epoch{'' if str(kw['epochs']) == '1' else 's'}"
     if name == 'baseline' and 'lr_mult' in kw: return f"plain, rate x{float(kw['lr_mult']):.2f}"
     return spec
 
@@ -36,14 +37,28 @@ def metric_label(name:str) -> str:
     return name.lstrip('_') or name
 
 def plot_colors(names:list, control_of:dict|None=None) -> dict:
-    "A colour per method, for every figure of a comparison: the plain model black, its other schedules grey, each method its own colour (none near black), each control its method's"
+    "A colour per method, for every figure of a comparison: the plain model black, each other schedule its own grey (lighter the shorter), each method its own colour (none near black), each control its method's"
     names, control_of = list(dict.fromkeys(names)), control_of or {}
     of = {c: m for m, cs in control_of.items() for c in cs}
     plain = lambda m: m == 'baseline' or (m.startswith('baseline:') and m not in of)
-    out = {m: ('black' if m == 'baseline' else 'grey') for m in names if plain(m)}
+    others = sorted((m for m in names if plain(m) and m != 'baseline'), key=_epochs_in)
+    out = {'baseline': 'black'} if 'baseline' in names else {}
+    out |= {m: str(round(.7 - .45 * i / max(len(others) - 1, 1), 2)) for i, m in enumerate(others)}   # matplotlib's grey levels, '0.7' light
     mine = [m for m in names if m not in out and m not in of]
     out |= {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(mine)}
     return out | {c: out.get(m, 'grey') for c, m in of.items() if c in names}
+
+def _epochs_in(m:str) -> float:
+    "The `epochs=` of a method's spelling (`baseline:epochs=3` -> 3); infinity where it has none"
+    e = next((kv.split('=')[1] for kv in m.partition(':')[2].split(',') if kv.startswith('epochs=')), None)
+    return float(e) if e else math.inf
+
+_PLAIN_MARKERS = 'sv^<>DPXh'   # one per other plain schedule, in order of length
+
+def plain_markers(names:list) -> dict:
+    "A marker per plain schedule other than the full one (`baseline:epochs=k`), by length; 'o' for every other name"
+    others = sorted((m for m in dict.fromkeys(names) if m.startswith('baseline:epochs=')), key=_epochs_in)
+    return {m: _PLAIN_MARKERS[i % len(_PLAIN_MARKERS)] for i, m in enumerate(others)}
 
 def _spread_x(xs:list, width:float) -> list:
     "Positions `xs` moved apart by `width` where two fall on the same spot (two controls at the same work)"
@@ -68,7 +83,11 @@ def budget_figure(rows:list, # the summary rows
     ax, label = _axes(ax, (9, 4.5)), metric_label(label)
     col = colors or plot_colors([r['method'] for r in rows], control_of)
     curve = sorted((r['work'], sign * r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
-    ax.plot(*zip(*curve), '.-', color='black', label='plain model, other schedules')
+    ax.plot(*zip(*curve), '-', color='black', lw=1, label='plain model, its schedules')
+    mk = plain_markers(budgets)
+    for r in rows:
+        if r['method'] in [*budgets, 'baseline']:
+            ax.plot(r['work'], sign * r['final_accuracy'], mk.get(r['method'], 'o'), color=col.get(r['method'], 'grey'), ms=6, label=short_label(r['method']))
     controls = control_specs(control_of)
     others = [r for r in rows if r['method'] not in [*budgets, 'baseline']]
     span = (max(w for w, _ in curve) - min(w for w, _ in curve)) or 1.
@@ -100,9 +119,9 @@ def time_figure(runs:list, # the runs
                 controls:list|None=None): # the controls' names: drawn dashed
     "The metric at every check against training seconds, one line a method (the median over its seeds), and the target"
     ax, label, controls = _axes(ax, (9, 4.5)), metric_label(label), controls or []
-    col = colors or plot_colors([r['method'] for r in runs])
+    col, mk = colors or plot_colors([r['method'] for r in runs]), plain_markers([r['method'] for r in runs if r['method'] not in controls])
     for m in dict.fromkeys(r['method'] for r in runs):
-        ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), 'o--' if m in controls else 'o-', color=col.get(m, 'grey'),
+        ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), mk.get(m, 'o') + ('--' if m in controls else '-'), color=col.get(m, 'grey'),
                 label=short_label(m), ms=3, lw=1.2, mfc='none' if m in controls else None)
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
     late = [sign * e['accuracy'] for r in runs for e in r['history'][len(r['history']) // 2:]]

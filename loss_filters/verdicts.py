@@ -14,8 +14,8 @@ from .stats import paired_test, curve_test, shown, seeds_needed
 __all__ = ['per_seed', 'default_drop', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control',
            'control_specs', 'plain_curve', 'curve_at', 'curve_work', 'equal_work', 'mult_text', 'knee_target',
            'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text', 'seeds_text',
-           'payoff_test', 'payoff_word', 'equal_work_text', 'target_text', 'payoff_line', 'verdict_lines', 'ci_level',
-           'table_columns', 'format_table']
+           'payoff_test', 'payoff_word', 'equal_work_text', 'target_text', 'payoff_line', 'target_cell', 'method_note',
+           'verdict_lines', 'ci_level', 'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -419,6 +419,48 @@ def payoff_line(r:dict, has_budgets:bool=True) -> str:
         plan = f"; a gain of this size at this spread needs about {k} seeds" if k else "; a gain of this size at this spread would need more than 100 seeds"
     return f"{m}: {word} {head}: {equal_work_text(v, unit)}{why}{plan}{tail}"
 
+def target_cell(r:dict, has_budgets:bool=True) -> str:
+    "The second reading in a table cell: the work ratio to the target and the runs that got there (`'1.20x (5 of 5)'`, `'≤'` where a miss counts as at most its whole work), `'missed (0 of 3)'` where none did"
+    n, k, x = r.get('repeats', 1), r.get('reached', 0), payoff_test(r, has_budgets)[0]
+    if not k or x is None: return f"missed ({k} of {n})" if not k else f"not read ({k} of {n})"
+    return f"{'≤' if r.get('target_censored') else ''}{x:.2f}x ({k} of {n})"
+
+def _random_note(v:dict, unit:str) -> str:
+    d = diff_text(v['diff'], unit)
+    if v['verdict'] == 'beats': return f"above random choice at its share ({d}): the gain is its choice of examples"
+    if v['verdict'] == 'loses': return f"below random choice at its share ({d}): the gain is the share it trains, not its choice"
+    return f"not shown above random choice at its share ({d}, {v['verdict']})"
+
+def method_note(r:dict, has_budgets:bool=True) -> str:
+    "One line on a method beside the verdict table: why it has no verdict, or what its controls add (random choice at its share, the model scoring itself, the plain model) and the seeds a gain of its size needs"
+    m, unit, a, word = r['method'], r.get('unit', 'points'), r.get('alpha', .05), payoff_word(r, has_budgets)
+    if word == 'never filtered': return f"{m}: never filtered: the fit is too short for its schedule, so it trained like the plain model"
+    if word == 'no verdict (no other plain schedule)':
+        return f"{m}: no verdict: training less was not run (`controls=True` runs it), so there is no plain curve to read at its work"
+    if word == 'no verdict (work outside the plain schedules)': return f"{m}: no verdict: its work lies outside the plain schedules; add shorter or longer `budgets`"
+    if word.startswith('no verdict'): return f"{m}: one seed gives no verdict, however large the difference: the test needs the spread over seeds; run 5 or more"
+    v, notes = r['vs_budget'], []
+    if r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit))
+    if r.get('vs_self'): notes.append(f"{points_text(r['vs_self'], 'the same filter scored by the model itself', unit)}")
+    if (p := r.get('vs_plain')) and p.get('holds') is not None:
+        notes.append(f"{diff_text(p['diff'], unit)} against the plain model's full schedule: {'shown' if p['holds'] else 'not shown'} to end no more "
+                     f"than {diff_text(p['margin'], unit).lstrip('+')} below it")
+    if word == 'no gain shown' and v['diff'] > 0 and v.get('sd'):
+        k = seeds_needed(v['diff'], v['sd'], a)
+        notes.append(f"a gain of this size at this spread needs about {k} seeds to show" if k else "a gain of this size at this spread needs more than 100 seeds to show")
+    return f"{m}: " + ('; '.join(notes) if notes else f"{word} at {pct_text(a)}")
+
+def _to_target_words(r:dict) -> str:
+    "How the method's runs did to the target against the plain model and its cheapest schedule, in work and wall-clock: only what was measured"
+    if not r.get('reached'): return f"no run of {r['repeats']} reached the target"
+    s = f"{r['reached']}/{r['repeats']} runs reached the target"
+    work = [f"the plain model needed {r['work_x']:.2f}x{_ci_x(r.get('work_x_test'))} its work"] if r.get('work_x') is not None else []
+    if r.get('vs_best_plain_work_x') is not None:
+        work.append(f"the cheapest plain schedule {'at most ' if r.get('target_censored') else ''}{r['vs_best_plain_work_x']:.2f}x{_ci_x(r.get('vs_best_plain_work_test'))}")
+    wall = [f"{r[k]:.2f}x" for k in ('target_x', 'vs_best_plain_x') if r.get(k) is not None]
+    if work: s += "; to get there " + ' and '.join(work) + f" ({'wall-clock ' + ' and '.join(wall) + '; ' if wall else ''}above 1x the method needs less)"
+    return s
+
 def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
     "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls, by work and by wall-clock"
     by, out = {r['method']: r for r in rows}, []
@@ -428,10 +470,7 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
         m, unit = r['method'], r.get('unit', 'points')
         if m == 'baseline' or m in budgets or m in controls: continue
         if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
-        s = (f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {r['reached']}/{r['repeats']} runs reached the target; "
-             f"to get there the plain model needed {ratio_text(r.get('work_x'))}{_ci_x(r.get('work_x_test'))} its work and the cheapest plain schedule "
-             f"{'at most ' if r.get('target_censored') else ''}{ratio_text(r.get('vs_best_plain_work_x'))}{_ci_x(r.get('vs_best_plain_work_test'))} "
-             f"(wall-clock {ratio_text(r.get('target_x'))} and {ratio_text(r.get('vs_best_plain_x'))}; above 1x the method needs less)")
+        s = f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {_to_target_words(r)}"
         if r.get('vs_budget'): s += f"; final value {equal_work_text(r['vs_budget'], unit)}"
         for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'), ('vs_self', 'the same filter scored by the model itself')):
             if r.get(k): s += f"; final value {points_text(r[k], what, unit)}"

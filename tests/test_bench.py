@@ -267,10 +267,12 @@ def test_work_counts_every_trained_example_exactly(digits64):
     assert base['trained'] == 2 * plain and base['scored'] == 0 and base['work'] == 2.
     assert [e['work'] for e in base['history']] == [1., 2.]
     half = add_work(run_method(digits64, 'random_batch:keep=.5,skip_epochs=1', epochs=2, show_progress=False), score_cost=.25)
-    assert half['trained'] == plain + 32 * n_b
-    # every batch of the filtered epoch is scored, nothing else: the first-batch check runs no pass of its own
-    assert half['scored'] == 64 * n_b
-    assert half['work'] == pytest.approx((plain + 32 * n_b) / plain)   # random choice needs no score: its scoring pass is not charged
+    assert half['trained'] == plain + 32 * n_b and half['scored'] == 0   # random choice runs no scoring pass
+    assert half['work'] == pytest.approx((plain + 32 * n_b) / plain)
+    scored = add_work(run_method(digits64, 'random_batch:keep=.5,skip_epochs=1,scored=1', epochs=2, show_progress=False), score_cost=.25)
+    # asked to score (to see the losses it drops), every batch of the filtered epoch is scored, nothing else: the first-batch check runs no pass
+    # of its own; random choice needs no score, so that pass is not charged
+    assert scored['trained'] == half['trained'] and scored['scored'] == 64 * n_b and scored['work'] == half['work']
 
 def test_a_pruned_epoch_s_work_is_its_kept_share(digits64):
     from loss_filters.bench import run_method, add_work

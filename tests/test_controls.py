@@ -41,3 +41,34 @@ def test_random_batch_keeps_its_share_on_the_schedule(digits_dls, fill):
     samp = col(learn, 'samp_perc')
     assert samp[0] == 1 and samp[1] == pytest.approx(.25, abs=.02)
     assert cb.stats and all(b['kept'] == max(1, round(.25 * b['bs'])) for b in cb.stats)
+
+class SlowForward(torch.nn.Module):
+    "An MLP whose every forward pass sleeps `secs` and is counted: a pass's cost shows in the fit's time, whatever the machine"
+    def __init__(self, secs=.01): super().__init__(); self.net, self.secs, self.calls = mlp(), secs, 0
+    def forward(self, x):
+        import time
+        self.calls += 1; time.sleep(self.secs)
+        return self.net(x)
+
+def _random_fit(dls, **kw):
+    from loss_filters.runs import EpochClock, seed_loaders
+    set_seed(0)
+    model, clock = SlowForward(), EpochClock(metric="valid_loss")
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[RandomBatchCallback(keep=.5, **kw), clock])
+    seed_loaders(learn, 0)   # both fits on the same data order
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    return learn, model.calls, clock.train_s
+
+def test_the_random_control_runs_no_scoring_pass(digits_dls):
+    blind, calls, secs = _random_fit(digits_dls)
+    scored, calls_scored, secs_scored = _random_fit(digits_dls, scored=True)
+    n_batches, n_valid = 2 * len(digits_dls.train), 2 * len(digits_dls.valid)
+    assert blind.loss_filter.fit_scored == 0 and scored.loss_filter.fit_scored == 2 * len(digits_dls.train) * 64
+    assert calls == n_batches + n_valid and calls_scored == 2 * n_batches + n_valid   # one forward a step, not two
+    assert secs_scored - secs > .5 * n_batches * .01   # the scoring passes' sleeps, at least half of them, are its extra time
+    # the same rows trained: scoring draws nothing from the filter's random source
+    assert [s['kept'] for s in blind.loss_filter.stats] == [s['kept'] for s in scored.loss_filter.stats]
+    assert all(torch.equal(a, b) for a, b in zip(blind.model.parameters(), scored.model.parameters()))
+    e = blind.loss_filter.epoch_stats[-1]
+    assert e['samp_perc'] == pytest.approx(.5, abs=.02) and e['loss_perc'] != e['loss_perc']   # its losses are unknown: NaN
+    assert 0 < scored.loss_filter.epoch_stats[-1]['loss_perc'] < 1
