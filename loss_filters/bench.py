@@ -35,18 +35,26 @@ __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_
            'main']
 
 # %% ../nbs/03_bench.ipynb #94125ca3
-# `quick`: `make bench`, minutes. `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length
-# and learning rate from a sweep of the plain model), with every control beside every method. `aug`: the regime the recipes were
+# `main`: `make bench`, the main job: a first reading of the Batch Loss Filter with every control, from 5 seeds, in under 5 minutes on
+# 2 cores (2 fits at a time): the cheap MLP on 30,000 Fashion-MNIST images, 4 epochs, plain schedules of 2, 3, 5 and 6. `quick`: every
+# default method once, no controls, minutes. `compute`: where training is still compute-bound (the plain curve rises through the full
+# schedule and past it), the bench CNN on all of Fashion-MNIST for 5 epochs, plain schedules of 2 to 8, 6 seeds: where savings are claimed.
+# `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length and learning rate from a sweep of
+# the plain model), with every control beside every method: the check that a filter loses nothing there. `aug`: the regime the recipes were
 # published for, crop and flip on a long one-cycle schedule at the plain model's plateau (68 epochs: 50% more gained 0.11 points;
 # the rate from a sweep at 45, 68 and 100 epochs), sized so that 3 seeds with every control run in about an hour on 2 cores.
 # A preset's `target` holds for its own data and settings (Fashion-MNIST, its size, schedule and rate): elsewhere, pass `--reference_seeds`.
-PRESETS = dict(quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
-                          methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9'),
+PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=30_000, n_valid=None,
+                         methods='baseline blf', budgets='.5 .75 1.25 1.5', model='mlp', seeds=5),
+               quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
+                          methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9', model='cnn', seeds=1),
+               compute=dict(epochs=5, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=30_000, n_valid=None,
+                            methods='baseline blf topk:proxy=.25 blf:epochs=7', budgets='.4 .6 .8 1.2 1.6', model='cnn', seeds=6),
                long=dict(epochs=9, evals_per_epoch=2, augment=False, controls=True, lr=2.4e-2, bs=128, n_train=20_000, n_valid=5_000,
-                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25',
+                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1,
                          target=.8486),   # fixed in advance: the knee of 5 reference seeds (6-10), saved in nbs/bench_runs/long_flops_runs.jsonl.gz
                aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
-                        methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25',
+                        methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1,
                         target=.8029))   # fixed in advance: the knee of 5 reference seeds (21-25), saved in nbs/bench_runs/aug_reference_runs.jsonl.gz
 
 def _widths(ws:tuple, share:float) -> tuple: return tuple(max(1, round(w * share)) for w in ws)
@@ -225,7 +233,7 @@ def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
 
 def _preset_target(pre:dict, data_name:str, epochs:int, lr:float, bs:int, n_train, augment:bool, label_noise:float, model:str) -> float|None:
     "The preset's target fixed in advance, where the run is the preset as its reference runs were (its data, size, schedule, rate, model); else None"
-    same = (data_name == 'fashion_mnist' and model == 'cnn' and not label_noise and (epochs, lr, bs, n_train, augment)
+    same = (data_name == 'fashion_mnist' and model == pre.get('model', 'cnn') and not label_noise and (epochs, lr, bs, n_train, augment)
             == (pre['epochs'], pre['lr'], pre['bs'], pre['n_train'], pre['augment']))
     return pre.get('target') if same else None
 
@@ -246,9 +254,9 @@ class BenchLearners:
     def proxy(self, width:float) -> nn.Module: return make_model(self.model, self.dls, width)
 
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         preset:str='quick', # `quick` (5 epochs, no augmentation), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
+         preset:str='main', # `main` (the main job: the Batch Loss Filter with every control, 5 seeds, minutes), `quick` (every default method once, no controls), `compute` (the bench CNN where training is compute-bound, every control, 6 seeds), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
-         seeds:int=1, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...
+         seeds:int=None, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...; default: the preset's
          bs:int=None, # batch size; default: the preset's
          lr:float=None, # maximum learning rate of `fit_one_cycle`; default: the preset's
          methods:str=None, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2 topk:proxy=.25" (`proxy=`: scored by the model at that share of its widths); default: the preset's
@@ -267,7 +275,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          work:str='flops', # `flops`: scoring and proxies charged by counted operations, the same on every machine; `time`: by measured step times
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one-epoch fits, three or `repeats`), to probe_cost.json
-         model:str='cnn', # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network)
+         model:str=None, # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network); default: the preset's
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
@@ -280,6 +288,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     epochs, evals_per_epoch, lr = (_preset_value(v, k, pre) for v, k in ((epochs, 'epochs'), (evals_per_epoch, 'evals_per_epoch'), (lr, 'lr')))
     methods, budgets, n_train, n_valid, bs = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
                                                                                   (n_train, 'n_train'), (n_valid, 'n_valid'), (bs, 'bs')))
+    seeds, model = _preset_value(seeds, 'seeds', pre), _preset_value(model, 'model', pre)
     controls, augment = _switch('controls', controls, pre), _switch('augment', augment, pre)
     specs = methods.split()
     for s in specs: parse_method(s)
@@ -303,12 +312,12 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
                                          augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
     cost = saved_cost if saved_cost is not None else score_cost   # None: `compare_filters` counts it (and times it beside)
-    def announce(s, sd, rep, kind): print(f"{'started' if jobs > 1 else '=='} {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
+    def announce(s, sd, rep, kind): print(f"== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
     with (fit_executor(jobs, threads) if jobs > 1 else contextlib.nullcontext()) as ex:
         cmp = compare_filters(make, methods, make_proxy=make.proxy, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets,
                               metric='accuracy', lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch,
                               check=valid_accuracy, score_cost=cost, work=work, reference_seeds=reference_seeds, repeats=repeats, folder=out, resume=resume,
-                              show_progress=False, on_run=announce, show_fits=not quiet and jobs == 1 and sys.stdout.isatty(), diagnostics=True,
+                              show_progress=False, on_run=announce if jobs == 1 else None, show_fits=not quiet and jobs == 1 and sys.stdout.isatty(), diagnostics=True,
                               add_baseline=False, alpha=alpha, executor=ex, threads=threads if jobs > 1 else None)
     runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
     cost, st = cmp.settings['score_cost'], cmp.settings

@@ -108,19 +108,26 @@ class ProxyScorer:
                                                 for p, st in self.opt.state.items()})
         return self
 
-    def _losses(self, xb:tuple, yb:tuple, keep_shape=False) -> Tensor:
+    def _losses(self, xb:tuple, yb:tuple) -> Tensor:
         pred = plain(first_output(self.model(*downsample(plain(tuple(xb)), self.scale_factor))))
-        if keep_shape: self.out_shape = tuple(pred.shape[1:])
         return per_sample_loss(self.loss_func, pred, *plain(tuple(yb)))
 
     def check(self, xb:tuple, yb:tuple):
         "Raise a `ValueError` naming `score_model` unless its output on the batch gives one loss per example; nothing in the proxy changes"
         bs, rng = plain(tuple(yb))[0].shape[0] if len(yb) else None, dict(self._rng)
+        x = downsample(plain(tuple(xb)), self.scale_factor)
         try:
-            with torch.no_grad(), self.own_rng(), frozen_norm_stats(self.model): losses = self._losses(xb, yb, keep_shape=True)
-        except Exception as e:
-            raise ValueError(f"`score_model` cannot score this batch: its output does not fit the loss "
-                             f"({type(e).__name__}: {e}); it must take the main model's inputs and give what the loss takes") from e
+            with torch.no_grad(), self.own_rng(), frozen_norm_stats(self.model):
+                try: pred = plain(first_output(self.model(*x)))
+                except Exception as e:   # the input is what fails: say so, with its shape
+                    shapes = ', '.join(str(list(t.shape)) for t in x if isinstance(t, Tensor))
+                    raise ValueError(f"`score_model` cannot take this batch's input ({shapes}; {type(e).__name__}: {e}): build it for the main "
+                                     "model's inputs (as many input channels: `n_in`)") from e
+                self.out_shape = tuple(pred.shape[1:])
+                try: losses = per_sample_loss(self.loss_func, pred, *plain(tuple(yb)))
+                except Exception as e:
+                    raise ValueError(f"`score_model` cannot score this batch: its output ({list(pred.shape)}) does not fit the loss "
+                                     f"({type(e).__name__}: {e}); it must give what the loss takes, as the main model does") from e
         finally: self._rng = rng   # the check uses none of the proxy's draws
         if losses.shape[0] != bs:
             raise ValueError(f"`score_model` gave {losses.shape[0]} losses for a batch of {bs}: it must give one output per example")

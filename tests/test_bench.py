@@ -4,12 +4,12 @@ from pathlib import Path
 import pytest, torch
 from fastai.basics import Callback
 from loss_filters.bench import lf_bench, summarise, format_table, time_to_target, parse_method
-from loss_filters.verdicts import _cols
+from loss_filters.verdicts import _cols, budget_specs
 
 @pytest.fixture(scope='module')
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
-    res = lf_bench(data='digits', epochs=1, bs=64, out=str(out), quiet=True, profile=True,
+    res = lf_bench(data='digits', preset='quick', epochs=1, bs=64, out=str(out), quiet=True, profile=True,
                    methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1 stale:prune=.9 blf_gn:skip_epochs=0')
     return out, res
 
@@ -84,7 +84,7 @@ def test_table_counts_the_repeats_that_reached_the_target():
     assert [l.split()[col] for l in lines[1:]] == ['2/2', '1/2']
 
 def test_bad_methods_fail_before_training():
-    with pytest.raises(ValueError, match="unknown method 'nope'"): lf_bench(methods='baseline nope', data='digits')
+    with pytest.raises(ValueError, match="unknown method 'nope'"): lf_bench(methods='baseline nope', data='digits', preset='quick')
     with pytest.raises(ValueError, match='`keep`'): parse_method('sb:keep=0')
     with pytest.raises(TypeError, match='`follow_lr` must be True or False'): parse_method('hide:follow_lr=yes')
     with pytest.raises(ValueError, match='target'): summarise([dict(method='sb', history=[])])
@@ -102,7 +102,7 @@ def test_console_script_help():
 def test_console_script_exits_zero(tmp_path):
     "The installed script runs a tiny bench and exits 0 (a returned value would become exit status 1)"
     script = Path(sys.executable).parent / 'lf_bench'
-    r = subprocess.run([str(script), '--data', 'digits', '--epochs', '1', '--bs', '128', '--methods', 'baseline blf', '--quiet',
+    r = subprocess.run([str(script), '--data', 'digits', '--preset', 'quick', '--epochs', '1', '--bs', '128', '--methods', 'baseline blf', '--quiet',
                         '--out', str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'at equal work' in r.stdout and 'training less needs' in r.stdout and (tmp_path / 'results.json').exists()
@@ -144,12 +144,12 @@ def test_epochs_setting_shortens_one_method():
     assert [l.split()[1] for l in lines[1:]] == ['3', '1', '2']
 
 def test_models_option(tmp_path):
-    res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, profile=True, model='mlp', methods='baseline blf:skip_epochs=0')
+    res = lf_bench(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, profile=True, model='mlp', methods='baseline blf:skip_epochs=0')
     assert res['model'] == 'mlp' and 0 < res['profile']['blf:skip_epochs=0']['overhead_share'] < 10
     with pytest.raises(ValueError, match='`model` must be one of cnn, mlp, wrn'): lf_bench(data='digits', model='vit', out=str(tmp_path))
 
 def test_label_noise_and_augment_options(tmp_path):
-    res = lf_bench(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline', label_noise=.2, score_cost=.3,
+    res = lf_bench(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline', label_noise=.2, score_cost=.3,
                    augment='yes')
     assert res['label_noise'] == .2 and res['augment'] is True
     with pytest.raises(ValueError, match="`augment` must be 'auto', 'yes' or 'no'"): lf_bench(data='digits', augment=True, out=str(tmp_path))
@@ -346,7 +346,7 @@ def _main(monkeypatch, *argv):
 def test_console_script_takes_both_option_spellings(tmp_path, spelling, monkeypatch):
     "fastcore 1 spells options `--n_train`, fastcore 2 `--n-train`: the script takes both under either"
     opt = lambda o: o.replace('_', '-') if '-' in spelling[2:] else o
-    _main(monkeypatch, '--data', 'digits', '--epochs', '1', spelling, '300', opt('--evals_per_epoch'), '2',
+    _main(monkeypatch, '--data', 'digits', '--preset', 'quick', '--epochs', '1', spelling, '300', opt('--evals_per_epoch'), '2',
           opt('--score_cost') + '=.5', '--methods', 'baseline', '--quiet', '--out', str(tmp_path))
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['n_train'] == 300 and saved['evals_per_epoch'] == 2 and saved['score_cost'] == .5
@@ -362,7 +362,7 @@ def test_aug_preset_settings_are_pinned():
     "The regime the recipes were published for: crop and flip, 68 epochs (the plain model's plateau), every control"
     from loss_filters.bench import PRESETS
     assert PRESETS['aug'] == dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000,
-                                  n_valid=5_000, methods='baseline blf sb stale hide', budgets='.6 .75 .9 1.25', target=.8029)
+                                  n_valid=5_000, methods='baseline blf sb stale hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1, target=.8029)
     assert PRESETS['long']['augment'] is False   # the clean, short-schedule regime stays beside it
 
 def test_a_shortened_aug_preset_runs_with_its_controls(tmp_path):
@@ -393,7 +393,7 @@ def test_a_seed_whose_plain_schedules_miss_the_target_counts_their_longest_cost_
     assert lo < 1.8 / .9 and hi > 2 / .9 and blf['vs_best_plain_work_test']['n'] == 2
 
 def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
-    kw = dict(data='digits', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline blf:skip_epochs=0', score_cost=.3, n_train=600)
+    kw = dict(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline blf:skip_epochs=0', score_cost=.3, n_train=600)
     full = lf_bench(**kw)
     runs_f = tmp_path / 'runs.jsonl'
     runs_f.write_text(runs_f.read_text().splitlines(keepends=True)[0])   # cut off after the plain model's run
@@ -432,3 +432,22 @@ def test_seed_loaders_repeats_the_data_order_of_shared_loaders(digits_dls):
         return torch.cat([p.detach().flatten() for p in learn.model.parameters()])
     assert not torch.equal(fit(False), fit(False))
     assert torch.equal(fit(True), fit(True))
+
+# ------------------------------------------------------------------ the main job: an answer from every control, in minutes
+def test_main_preset_settings_are_pinned():
+    "`make bench`: the Batch Loss Filter with every control on 5 seeds of the cheap model, plain schedules on both sides of the full one"
+    from loss_filters.bench import PRESETS
+    pre = PRESETS['main']
+    assert (pre['methods'], pre['seeds'], pre['model'], pre['controls'], pre['epochs']) == ('baseline blf', 5, 'mlp', True, 4)
+    assert budget_specs(pre['epochs'], pre['budgets']) == [f'baseline:epochs={k}' for k in (2, 3, 5, 6)]
+
+def test_the_main_job_ends_with_an_answer(tmp_path):
+    "The README's main job from the command line, two fits at a time on the digits: one table of verdicts and one line per method, no placeholder"
+    script = Path(sys.executable).parent / 'lf_bench'
+    r = subprocess.run([str(script), '--data', 'digits', '--jobs', '2', '--seeds', '3', '--out', str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout[r.stdout.index('method  verdict'):]
+    row = out.splitlines()[1].split()
+    assert row[0] == 'blf' and ' '.join(row[1:4]).startswith(('pays', 'no gain shown', 'does not pay')), out   # a reading, not "no verdict"
+    assert out.count('method  verdict') == 1 and sum(l.startswith('blf:') for l in out.splitlines()) == 1 and ' - ' not in out
+    assert '2 fits at a time' in r.stdout and len((tmp_path / 'runs.jsonl').read_text().splitlines()) == 3 * 7   # methods, 4 schedules, a control

@@ -64,3 +64,8 @@ def test_what_a_process_pool_cannot_send_is_refused_first():
             compare_filters(lambda: tab_learner(), **KW, executor=ex)
         with pytest.raises(TypeError, match='`check` cannot be sent'):
             compare_filters(tab_learner, **KW, executor=ex, check=lambda m, dl: 0.)
+
+def test_each_worker_sets_its_own_threads():
+    "N workers on N cores do not oversubscribe: each takes its share of the cores (or the threads asked for)"
+    with fit_executor(2, threads=1) as ex: assert [ex.submit(torch.get_num_threads).result() for _ in range(2)] == [1, 1]
+    with pytest.raises(ValueError, match='`jobs` must be an integer >= 1'): fit_executor(0)

@@ -152,3 +152,19 @@ def test_a_proxy_keeps_its_own_random_stream_across_scores():
     x, y = torch.ones(8, 4), torch.zeros(8, dtype=torch.long)
     a, b = px.score((x,), (y,)), px.score((x,), (y,))
     assert not torch.equal(a, b)   # two draws of its dropout, not the same one replayed
+
+def test_the_readme_proxy_example_on_a_from_folder_pipeline(tmp_path):
+    "The README's proxy example as written, on an ordinary `from_folder` pipeline, where PIL gives 3 channels"
+    from fastai.vision.all import ImageDataLoaders, vision_learner, resnet18, accuracy
+    from loss_filters.data import make_cifar_like
+    from loss_filters.models import simple_cnn
+    path = make_cifar_like(tmp_path / 'imgs', n_per_class=6, classes=['cat', 'dog', 'frog'])
+    dls = ImageDataLoaders.from_folder(path, valid='test', bs=8, num_workers=0)
+    learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+    learn.top_loss(keep=.5, score_model=simple_cnn(n_in=3, n_out=dls.c, widths=(8, 16, 32)))   # a small proxy scores each batch
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(1)
+    assert learn.loss_filter.proxy.n_scored > 0 and 0 < learn.recorder.values[-1][list(learn.recorder.metric_names).index('samp_perc') - 1] < 1
+    learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+    learn.top_loss(keep=.5, score_model=simple_cnn(n_in=1, n_out=dls.c, widths=(8, 16, 32)))   # built for one channel: the input is named
+    with pytest.raises(ValueError, match=r"`score_model` cannot take this batch's input \(\[8, 3, 32, 32\]"), learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(1)
