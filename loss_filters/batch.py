@@ -439,7 +439,7 @@ class RandomBatchCallback(LossFilterCallback):
         if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch')
         super().__init__(start=start, end=end, interrupt=interrupt, skip_epochs=skip_epochs, fill_batch=fill_batch, score_model=score_model,
                          train_every=train_every)
-        self.keep, self.scored = keep, scored
+        self.keep, self.scored, self._blind_rows = keep, scored, []
 
     def select(self, scores): return select_at_random(scores, self.keep, generator=getattr(self, 'gen', None))
 
@@ -449,9 +449,10 @@ class RandomBatchCallback(LossFilterCallback):
     def _selected(self, bs:int) -> Tensor:
         "Without a scoring pass: the batch's random rows (at least two), recorded with unknown losses"
         if not self.blind: return super()._selected(bs)
-        dev = self.learn.yb[0].device
+        gen = getattr(self, 'gen', None)
+        dev = gen.device if gen is not None else self.learn.yb[0].device   # where the filter's own random draws are made
         idxs = self.select(torch.zeros(bs, device=dev))   # only the batch's size is read
-        if len(idxs) == 1 and bs > 1: idxs = torch.randperm(bs, device=dev, generator=getattr(self, 'gen', None))[:2]   # a step on one breaks BatchNorm
+        if len(idxs) == 1 and bs > 1: idxs = torch.randperm(bs, device=dev, generator=gen)[:2]   # a step on one breaks BatchNorm
         idxs = idxs.sort().values
         self.n_kept += len(idxs)
         self._blind_rows.append(dict(iter=self.learn.train_iter, kept=len(idxs), bs=bs, loss_share=math.nan, full_loss=math.nan, epoch=self.epoch))

@@ -428,7 +428,7 @@ def target_cell(r:dict, has_budgets:bool=True) -> str:
 def _random_note(v:dict, unit:str) -> str:
     d = diff_text(v['diff'], unit)
     if v['verdict'] == 'beats': return f"above random choice at its share ({d}): the gain is its choice of examples"
-    if v['verdict'] == 'loses': return f"below random choice at its share ({d}): the gain is the share it trains, not its choice"
+    if v['verdict'] == 'loses': return f"below random choice at its share ({d}): its choice of examples does worse than chance"
     return f"not shown above random choice at its share ({d}, {v['verdict']})"
 
 def method_note(r:dict, has_budgets:bool=True) -> str:
