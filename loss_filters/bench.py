@@ -38,7 +38,8 @@ __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_
 # `main`: `make bench`, the main job: a first reading of the Batch Loss Filter with every control, from 5 seeds, in under 5 minutes on
 # 2 cores (2 fits at a time): the cheap MLP on 30,000 Fashion-MNIST images, 4 epochs, plain schedules of 2, 3, 5 and 6. `quick`: every
 # default method once, no controls, minutes. `compute`: where training is still compute-bound (the plain curve rises through the full
-# schedule and past it), the bench CNN on all of Fashion-MNIST for 5 epochs, plain schedules of 2 to 8, 6 seeds: where savings are claimed.
+# schedule and past it), the bench CNN on 30,000 Fashion-MNIST images for 5 epochs, plain schedules of 2 to 8, 6 seeds: where savings
+# are claimed (about an hour on 2 cores).
 # `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length and learning rate from a sweep of
 # the plain model), with every control beside every method: the check that a filter loses nothing there. `aug`: the regime the recipes were
 # published for, crop and flip on a long one-cycle schedule at the plain model's plateau (68 epochs: 50% more gained 0.11 points;
