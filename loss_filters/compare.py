@@ -121,9 +121,9 @@ class Comparison:
                   f"schedules), in {'points' if unit == 'points' else unit}, + better, with its {lvl}% interval over seeds; training less needs: the "
                   "plain model's work to match it, over the method's.",
                   f"to target: the cheapest plain schedule's work to {tgt} ({self.target_source}) over the method's; 'missed' where no run got there."]
-        return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 110) for l in legend] + [''] +
-                         [textwrap.fill(method_note(r, has), 110, subsequent_indent='  ') for r in rows] +
-                         ['', 'More: cmp.table (every figure of every run and control), cmp.verdicts (every test in words), cmp.plot().'])
+        return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 100) for l in legend] + [''] +
+                         [textwrap.fill(method_note(r, has), 100, subsequent_indent='  ') for r in rows] +
+                         ['', 'More: cmp.table (every figure of every run and control), cmp.verdicts (every test), cmp.plot().'])
 
     @property
     def verdicts(self) -> list:

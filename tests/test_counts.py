@@ -98,7 +98,7 @@ def test_work_counters_of_a_batch_filter_are_exact(digits, drop_last):
     set_seed(0)
     dls = make_dls(*digits, bs=64, drop_last=drop_last)
     sizes = plain_sizes(dls.train)
-    cb = RandomBatchCallback(keep=.25, skip_epochs=1)   # keeps `round(.25*b)` of a batch of `b`, and at least two of two or more
+    cb = RandomBatchCallback(keep=.25, skip_epochs=1, scored=True)   # scores each filtered batch (for its records), keeps `round(.25*b)` of a batch of `b`, and at least two of two or more
     learn = fit(Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=cb), 2)
     assert cb.fit_scored == sum(sizes)                                       # every batch of epoch 1: the first-batch check scores nothing
     assert cb.fit_trained == sum(sizes) + sum(max(min(b, 2), round(.25 * b)) for b in sizes)

@@ -2,7 +2,7 @@
 
 - The `python` blocks of the "Use" section run in order, as one user would type them, in one fresh process.
 - A `python` block that starts with `# name.py` is a script: it is written to that file and run with `python name.py`
-  (the "Several GPUs" one as a single process, on a tiny CIFAR10-shaped folder where `untar_data` finds it, offline).
+  (one that trains on CIFAR10 on a tiny CIFAR10-shaped folder where `untar_data` finds it, offline; a comparison prints its verdicts).
 - Any other `python` block runs on its own, in a fresh process.
 - A bare block is the printed output of the python block before it: its fit-table header must be what that code prints.
 - `sh` blocks: every command they name must exist (`make -n <target>`, `lf_bench --help`, the launchers, the extras).
@@ -123,6 +123,10 @@ def test_scripts_run_as_written(tmp_path):
                 if png.stem != '0': png.unlink()
         r = run([sys.executable, name], tmp_path)
         check_ok(r, f"python {name}")
+        if 'compare_filters' in code:   # a comparison: its table of verdicts, one row a method
+            out = r.stdout[r.stdout.index('method  verdict'):]
+            assert out.splitlines()[1].split()[0] == 'blf', f"{name} printed no verdict for blf:\n{out}"
+            continue
         tables = fit_tables(r.stdout + r.stderr)
         assert tables and 'samp_perc' in tables[0][0], f"{name} printed no fit table with the filter's columns"
 
