@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
-import contextlib, functools, inspect, json, math, os, platform, random, statistics, sys, time, warnings
+import contextlib, functools, inspect, json, math, platform, random, statistics, sys, time, warnings
 # a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line
 warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
 from functools import partial
@@ -24,7 +24,7 @@ from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, le
 from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
 from .plots import plot_results, plot_budget
 from .compare import compare_filters
-from .plan import fit_executor
+from .plan import fit_executor, cores_each
 from .runs import *       # the benchmark's pieces keep their old import path, `loss_filters.bench`
 from .verdicts import *
 from .plots import *
@@ -303,7 +303,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model)   # the same data in every worker
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if probe_cost: return _probe_cost(dls, data_name, model, seed, out, max(repeats, 3))
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else torch.get_num_threads()
+    threads = cores_each(jobs) if jobs > 1 else torch.get_num_threads()
     print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
           f"{' (crop and flip)' if augment else ''}, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, "

@@ -11,8 +11,8 @@ import torch
 from .runs import run_fit, StopAfter
 
 # %% auto #0
-__all__ = ['Fit', 'comparison_plan', 'InlineExecutor', 'fit_executor', 'executor_workers', 'default_threads', 'check_executor',
-           'train_fit', 'run_plan']
+__all__ = ['Fit', 'comparison_plan', 'InlineExecutor', 'cores_each', 'fit_executor', 'executor_workers', 'default_threads',
+           'check_executor', 'train_fit', 'run_plan']
 
 # %% ../nbs/08b_plan.ipynb #3b303b18
 class Fit(NamedTuple):
@@ -51,12 +51,16 @@ def _init_worker(threads:int, counter):
         with counter.get_lock(): i, counter.value = counter.value, counter.value + 1
         torch.cuda.set_device(i % torch.cuda.device_count())
 
+def cores_each(jobs:int) -> int:
+    "The compute threads each of `jobs` workers gets when they share this machine's cores: at least 1"
+    return max(1, (os.cpu_count() or 1) // jobs)
+
 def fit_executor(jobs:int, # worker processes, each training one fit at a time
                  threads:int|None=None # compute threads of each; default: the cores shared out, at least 1
                 ) -> ProcessPoolExecutor:
     "A `ProcessPoolExecutor` of `jobs` spawned workers for `compare_filters(executor=...)`; on a machine with GPUs each worker takes its own"
     if not isinstance(jobs, int) or jobs < 1: raise ValueError(f"`jobs` must be an integer >= 1, got {jobs!r}")
-    threads = threads or max(1, (os.cpu_count() or 1) // jobs)
+    threads = threads or cores_each(jobs)
     ctx = multiprocessing.get_context('spawn')   # not fork: a forked copy of a process that has run torch's thread pool or CUDA may hang
     return ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads, ctx.Value('i', 0)))
 
@@ -68,7 +72,7 @@ def default_threads(executor) -> int|None:
     "Compute threads for each fit on `executor`: the cores shared out over a local pool's workers; None (leave torch's own) inline or where the pool's size is unknown"
     if executor is None or isinstance(executor, InlineExecutor): return None
     n = getattr(executor, '_max_workers', None)
-    return max(1, (os.cpu_count() or 1) // n) if n else None
+    return cores_each(n) if n else None
 
 # %% ../nbs/08b_plan.ipynb #c5a87a5b
 def check_executor(executor, **objs):
