@@ -141,6 +141,7 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
     cb_cls, kw = m.cls, m.kw
     set_seed(seed)
     learn = bench_learner(dls, model)
+    learn.model.to(dls.device)   # where a fit's `before_fit` would put it: the batches are on the loaders' device (a GPU's, where there is one)
     if m.proxy is not None: kw = kw | dict(score_model=make_model(model, dls, m.proxy))   # the proxy scores, the model runs no scoring pass
     cb, net, n_epoch = cb_cls(**_acting(cb_cls, kw)), learn.model, len(dls.train)
     learn.add_cb(cb); learn.create_opt(); net.train()

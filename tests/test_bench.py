@@ -451,3 +451,10 @@ def test_the_main_job_ends_with_an_answer(tmp_path):
     assert row[0] == 'blf' and ' '.join(row[1:4]).startswith(('pays', 'no gain shown', 'does not pay')), out   # a reading, not "no verdict"
     assert out.count('method  verdict') == 1 and sum(l.startswith('blf:') for l in out.splitlines()) == 1 and ' - ' not in out
     assert '2 fits at a time' in r.stdout and len((tmp_path / 'runs.jsonl').read_text().splitlines()) == 3 * 7   # methods, 4 schedules, a control
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a GPU')
+def test_profile_on_a_gpu_moves_the_model_to_the_batches(tmp_path):
+    "`--profile` times a step before any fit has moved the model: it must put the model on the loaders' device itself"
+    res = lf_bench(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, profile=True, model='cnn',
+                   methods='baseline blf:skip_epochs=0 topk:proxy=.5')
+    assert {'blf:skip_epochs=0', 'topk:proxy=.5'} <= set(res['profile'])
