@@ -12,10 +12,10 @@ from .stats import paired_test, curve_test, shown, seeds_needed
 
 # %% auto #0
 __all__ = ['per_seed', 'default_drop', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control',
-           'control_specs', 'plain_curve', 'curve_at', 'curve_work', 'equal_work', 'mult_text', 'knee_target',
-           'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text', 'seeds_text',
-           'payoff_test', 'payoff_word', 'equal_work_text', 'target_text', 'payoff_line', 'target_cell', 'method_note',
-           'verdict_lines', 'ci_level', 'table_columns', 'format_table']
+           'control_specs', 'plain_curve', 'curve_at', 'curve_work', 'bend_room', 'equal_work', 'mult_text',
+           'knee_target', 'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text',
+           'seeds_text', 'payoff_test', 'payoff_word', 'equal_work_text', 'bend_text', 'target_text', 'payoff_line',
+           'target_cell', 'method_note', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -168,6 +168,16 @@ def curve_work(curve:dict, value:float) -> tuple:
     for (w0, v0, _), (w1, v1, _) in zip(pts, pts[1:]):
         if v0 < value <= v1: return w0 + (value - v0) / (v1 - v0) * (w1 - w0), None
 
+def bend_room(curve:dict, work:float) -> float|None:
+    "How far a concave plain curve could lie above the line between the two schedules around `work`: the lower of the neighbouring chords extended to `work`, less the line (0 where it lies below); None with no schedule beyond those two"
+    pts = curve['points']
+    if (seg := _segment([p[0] for p in pts], work)) is None: return None
+    (i, f), ext = seg, []
+    (w0, v0, _), (w1, v1, _) = pts[i], pts[i + 1]
+    if i > 0 and (pw := pts[i - 1])[0] < w0: ext.append(v0 + (v0 - pw[1]) / (w0 - pw[0]) * (work - w0))   # the chord on the left, carried on
+    if i + 2 < len(pts) and (nw := pts[i + 2])[0] > w1: ext.append(v1 - (nw[1] - v1) / (nw[0] - w1) * (w1 - work))   # the one on the right, carried back
+    return max(0., min(ext) - (v0 + f * (v1 - v0))) if ext else None
+
 def _interp(curve:list, t:float) -> tuple:
     "Value (and spread) of a budget curve `[(cost, value, spread)]` at cost `t`; None outside its range"
     if (seg := _segment([c[0] for c in curve], t)) is None: return None, None
@@ -198,11 +208,13 @@ def equal_work(runs:list, # the runs of a comparison
         diffs = per_seed([(r.get('seed'), None if (c := curve_at(curve, r['work'])[0]) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
         if None in diffs: return None
         t, how = curve_test(diffs, var, curve['df'], alpha), 'fitted curve'
+    verdict, bend = _WORDS[shown(t)], bend_room(curve, work)
+    if verdict == 'beats' and (bend is None or t['lo'] <= bend): verdict = 'within the bend'   # the gain could be the line's error under a bending curve
     mult = lambda d: (lambda w, c: (w / work, c))(*curve_work(curve, base + d))
     x, xc = mult(t['est'])
     (lo, loc), (hi, hic) = (mult(t['lo']), mult(t['hi'])) if t['lo'] is not None else ((None, None), (None, None))
-    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)], how=how,
-                work=work, curve_value=base, x=x, x_censored=xc, x_lo=lo, x_lo_censored=loc, x_hi=hi, x_hi_censored=hic)
+    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=verdict, how=how,
+                work=work, curve_value=base, bend=bend, x=x, x_censored=xc, x_lo=lo, x_lo_censored=loc, x_hi=hi, x_hi_censored=hic)
 
 def mult_text(x:float|None, censored:str|None=None) -> str:
     "A work multiplier as `'1.23x'`, `'≥1.40x'` where the plain curve never gets there, `'≤0.56x'` where its first point already does"
@@ -369,10 +381,10 @@ def payoff_test(r:dict, has_budgets:bool) -> tuple:
     return (r.get('vs_best_plain_work_x'), r.get('vs_best_plain_work_test')) if has_budgets else (r.get('work_x'), r.get('work_x_test'))
 
 _PAYS = {'beats': 'pays', 'loses': 'does not pay', 'no difference shown': 'no gain shown', 'no verdict (1 seed)': 'no verdict (1 seed)',
-         'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)'}
+         'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)', 'within the bend': 'no verdict (bend)'}
 
 def payoff_word(r:dict, has_budgets:bool=True) -> str:
-    "The first reading in a word or two, at equal work against training less: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'never filtered', or why there is no reading"
+    "The first reading in a word or two, at equal work against training less: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'no verdict (bend)', 'never filtered', or why there is no reading"
     if r.get('never_filtered'): return 'never filtered'
     if not has_budgets: return 'no verdict (no other plain schedule)'
     if not r.get('vs_budget'): return 'no verdict (work outside the plain schedules)'
@@ -385,6 +397,13 @@ def equal_work_text(v:dict, unit:str='points') -> str:
         ci = f", {pct_text(v['level'])} CI {mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else ''
         s += f"; training less needs {mult_text(v['x'], v['x_censored'])} its work to match it{ci}"
     return s
+
+def bend_text(v:dict, unit:str='points') -> str:
+    "Why a gain over the line between two plain schedules gives no verdict: the plain curve could bend above the line by as much, or nothing bounds its bend"
+    s = f"no verdict: {points_text(v, 'the line between the plain schedules around its work', unit).rsplit(' (', 1)[0]}, "
+    if v.get('bend') is None: return s + "but with no plain schedule beyond those two nothing bounds how far the curve bends above that line: add one (`budgets`)"
+    return (s + f"but a plain curve that bends (gains less per unit of work as work grows) could lie up to {diff_text(v['bend'], unit)} above that line "
+            "there: add a plain schedule near its work (`budgets`)")
 
 def target_text(r:dict, has_budgets:bool) -> str:
     "The second reading in words: work to the target against the cheapest plain schedule, a miss censored"
@@ -405,6 +424,7 @@ def payoff_line(r:dict, has_budgets:bool=True) -> str:
     if word == 'no verdict (no other plain schedule)': return f"{m}: no verdict: training less was not run, so there is no plain curve to read at its work{tail}"
     if word == 'no verdict (work outside the plain schedules)':
         return f"{m}: no verdict: its work lies outside the plain schedules' range (add shorter or longer budgets){tail}"
+    if word == 'no verdict (bend)': return f"{m}: {bend_text(v, unit)}{tail}"
     if word.startswith('no verdict'):
         return f"{m}: no verdict from {seeds_text(v['n'])}: at equal work {diff_text(v['diff'], unit)} against training less; run 5 or more seeds for a test{tail}"
     head = f"at {pct_text(a)} ({seeds_text(v['n'])})"
@@ -438,6 +458,7 @@ def method_note(r:dict, has_budgets:bool=True) -> str:
     if word == 'no verdict (no other plain schedule)':
         return f"{m}: no verdict: training less was not run (`controls=True` runs it), so there is no plain curve to read at its work"
     if word == 'no verdict (work outside the plain schedules)': return f"{m}: no verdict: its work lies outside the plain schedules; add shorter or longer `budgets`"
+    if word == 'no verdict (bend)': return f"{m}: {bend_text(r['vs_budget'], unit)}"
     if word.startswith('no verdict'): return f"{m}: one seed gives no verdict, however large the difference: the test needs the spread over seeds; run 5 or more"
     v, notes = r['vs_budget'], []
     if r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit))

@@ -66,12 +66,12 @@ def _saving(shapes, n_seeds:int, rng:random.Random, saving:float=1.5) -> list:
 def _blf(cmp): return next(r for r in cmp.rows if r['method'] == 'blf')
 
 def test_a_real_saving_is_shown_more_often_with_more_seeds(shapes):
-    "A true 1.5x saving on the long preset's curves: 'pays' rises with the seeds, and 8 seeds show it at least 70% of the time"
+    "A true 1.5x saving on the long preset's curves: 'pays' rises with the seeds, and 12 seeds show it at least 70% of the time (its work falls in the two-epoch gap from 5 to 7 epochs, where the room left for the curve's bend costs power)"
     budgets, rates = [m for e, m in PLAIN.items() if e != 9], {}
     for n in (5, 8, 12):
         rng, draws = random.Random(n), 200
         rates[n] = sum(payoff_word(_blf(judge(_saving(shapes, n, rng), budgets, {'blf': []}, dict(alpha=.05)))) == 'pays' for _ in range(draws)) / draws
-    assert rates[5] < rates[8] < rates[12] and rates[8] >= .7, rates
+    assert rates[5] < rates[8] < rates[12] and rates[12] >= .7, rates
 
 def test_the_first_readings_intervals_cover_at_their_level(shapes):
     "The 90% interval of the difference at equal work holds the true one (the full schedule's curve over the curve at the method's work), and the multiplier's the true 1.5x"
@@ -89,7 +89,7 @@ def test_the_first_readings_intervals_cover_at_their_level(shapes):
     assert diff_in / draws >= .85 and mult_in / draws >= .85, (diff_in, mult_in, draws)
 
 def test_two_machines_runs_of_one_preset_read_alike():
-    "The long preset's saved runs from an AMD EPYC and an Intel Xeon, work counted by one operation count: estimates at equal work within their uncertainty of each other, and the same first reading"
+    "The long preset's saved runs from an AMD EPYC and an Intel Xeon, work counted by one operation count: estimates at equal work within their uncertainty of each other, and never opposite readings"
     from loss_filters.compare import load_comparison
     from loss_filters.bench import bench_work_costs
     runs_dir = RUNS.parent
@@ -103,7 +103,7 @@ def test_two_machines_runs_of_one_preset_read_alike():
         se = lambda v: (v['hi'] - v['lo']) / (2 * 2.13)   # a 90% t interval on about 4 degrees of freedom
         assert abs(va['diff'] - vb['diff']) <= 2 * math.hypot(se(va), se(vb)), (m, va['diff'], vb['diff'])
         words = {payoff_word(next(r for r in c.rows if r['method'] == m)) for c in (a, b)}
-        assert len(words) == 1, (m, words)   # the same first reading on both machines
+        assert not {'pays', 'does not pay'} <= words, (m, words)   # never opposite readings (one may be too close to the bend's room to call)
 
 def test_work_to_target_counts_from_where_the_run_stays_above_it():
     from loss_filters.runs import time_to_target

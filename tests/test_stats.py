@@ -3,7 +3,7 @@ import math, statistics
 import numpy as np
 import pytest
 from loss_filters.stats import paired_test, shown, power, seeds_needed, simulate, TYPICAL_LOG_SD
-from loss_filters.verdicts import summarise, add_verdicts, payoff_line
+from loss_filters.verdicts import summarise, add_verdicts, payoff_line, payoff_word, method_note
 
 pytestmark = pytest.mark.fastai_neutral
 
@@ -72,15 +72,15 @@ def _run(m, seed, accs, work_per_check=1.):
     return dict(method=m, seed=seed, repeat=0, epochs=len(accs), train_s=hist[-1]['train_s'], wall_s=hist[-1]['train_s'],
                 final_accuracy=accs[-1], mean_samp_perc=1. if m.startswith('baseline') else .7, work=hist[-1]['work'], lr_mult=1., history=hist)
 
-def _judged(ratios, alpha=.05, final=(.8, .85, .9), finals=None):
-    "A method whose work is the full plain schedule's over `ratios`, seed by seed, ending at `final` (or at `finals[seed]`)"
-    runs = []
+def _judged(ratios, alpha=.05, final=(.8, .85, .9), finals=None, longer=.95):
+    "A method whose work is the full plain schedule's over `ratios`, seed by seed, ending at `final` (or at `finals[seed]`); plain schedules of 2, 3 and 4 epochs ending at .85, .9 and `longer` (None: no 4-epoch schedule; .95: a straight line)"
+    runs, budgets = [], ['baseline:epochs=2'] + ['baseline:epochs=4'] * (longer is not None)
     for s, x in enumerate(ratios):
         last = final[-1] if finals is None else finals[s]
         runs += [_run('baseline', s, [.7, .8, .9]), _run('baseline:epochs=2', s, [.75, .85]), _run('stale', s, [*final[:-1], last], 1 / x),
-                 _run('random:keep=.5', s, [.8, .85, last - .01], 1 / x)]
+                 _run('random:keep=.5', s, [.8, .85, last - .01], 1 / x)] + [_run('baseline:epochs=4', s, [.7, .8, .9, longer])] * (longer is not None)
     rows, target = summarise(runs, target=.9, alpha=alpha)
-    add_verdicts(rows, ['baseline:epochs=2'], {'stale': ['random:keep=.5']}, len(ratios), target, runs=runs, alpha=alpha)
+    add_verdicts(rows, budgets, {'stale': ['random:keep=.5']}, len(ratios), target, runs=runs, alpha=alpha)
     return next(r for r in rows if r['method'] == 'stale')
 
 def test_payoff_line_states_level_and_seeds():
@@ -90,6 +90,18 @@ def test_payoff_line_states_level_and_seeds():
     assert 'the cheapest plain schedule needed 1.31x its work, 90% CI' in line   # the second reading, beside
     assert 'and it ends more accurate than random choice at its share' in line   # .9 against .89 in every seed
     assert payoff_line(_judged([1.3, 1.35, 1.28, 1.32, 1.31], alpha=.1), True).startswith('stale: pays at 10% (5 seeds)')
+
+def test_a_gain_the_bend_could_explain_gives_no_verdict():
+    "The plain curve at 2 and 3 epochs alone: nothing bounds how far it bends between them, so a gain over their line is no verdict; a 4-epoch schedule bounds it"
+    r = _judged([1.3, 1.35, 1.28, 1.32, 1.31], longer=None)
+    v = r['vs_budget']
+    assert v['lo'] > 0 and v['bend'] is None and v['verdict'] == 'within the bend' and payoff_word(r) == 'no verdict (bend)'
+    assert 'nothing bounds how far the curve bends above that line: add one (`budgets`)' in payoff_line(r, True)
+    r = _judged([1.3, 1.35, 1.28, 1.32, 1.31], final=(.8, .85, .875), longer=.92)   # +1.0 points over the line, but the curve could lie 2.1 above it
+    v = r['vs_budget']
+    assert v['bend'] == pytest.approx(.9 - .02 * (3 - v['work']) - (.85 + .05 * (v['work'] - 2)))   # the 3-4 chord carried back, less the line
+    assert 0 < v['lo'] <= v['bend'] and payoff_word(r) == 'no verdict (bend)'
+    assert 'could lie up to +2.' in method_note(r) and 'add a plain schedule near its work' in method_note(r)
 
 def test_too_few_seeds_say_how_many_would():
     r = _judged([1.2] * 3, finals=[.885, .871, .881])   # the curve at 2.5 plain epochs is .875: +0.4 points, spread 0.7
@@ -105,7 +117,7 @@ def test_a_loss_is_said_at_its_level():
     assert line.startswith('stale: does not pay at 5% (3 seeds): -1.50 points against training less at equal work'), line
 
 def test_a_method_beyond_the_longest_plain_schedule_gets_no_first_reading():
-    line = payoff_line(_judged([.8, .82, .79]), True)   # more work than the full schedule, and no longer one was run
+    line = payoff_line(_judged([.8, .82, .79], longer=None), True)   # more work than the full schedule, and no longer one was run
     assert line.startswith('stale: no verdict: its work lies outside the plain schedules') and 'add shorter or longer budgets' in line
 
 def test_equal_work_verdict_does_not_use_the_target():
