@@ -108,7 +108,7 @@ class LossFilterCallback(LossFilterBase):
                  score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
                  score_precision:str='full', # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
                  score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model (`ProxyScorer`), trained online by the filter
-                 train_every:int=4): # with `score_model`: the proxy takes a step every `train_every` batches, on the rows the model trains on
+                 train_every:int=1): # with `score_model`: the proxy takes a step every `train_every` batches, on the rows the model trains on (1: every batch)
         check_schedule(start, end, interrupt)
         if score_model is not None:
             check_score_model(score_model)
@@ -382,7 +382,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
                  score_precision:str='full', # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
                  score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model, trained online
-                 train_every:int=4): # with `score_model`: a step of the proxy every `train_every` batches
+                 train_every:int=1): # with `score_model`: a step of the proxy every `train_every` batches
         check_range('keep', keep, 0, 1, lo_open=True)
         if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
@@ -433,7 +433,7 @@ class RandomBatchCallback(LossFilterCallback):
                  keep:float=.5, # share of each filtered batch kept, in (0, 1]
                  start:float=0., end:float=1., interrupt:int=0, skip_epochs:int=0, # the schedule of the filter it controls
                  fill_batch:bool=False, # pool kept examples into full batches, as the filter does
-                 score_model:nn.Module|None=None, train_every:int=4, # a proxy scorer, trained as the filter trains its own (its scores unused)
+                 score_model:nn.Module|None=None, train_every:int=1, # a proxy scorer, trained as the filter trains its own (its scores unused)
                  scored:bool=False): # score each filtered batch anyway, for the loss records and diagnostics; the choice never reads the scores
         check_range('keep', keep, 0, 1, lo_open=True)
         if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch')

@@ -57,7 +57,7 @@ class ProxyScorer:
                  model:nn.Module, # the proxy: takes the main model's inputs, gives outputs `loss_func` accepts
                  loss_func, # a loss `per_sample_loss` accepts (the main model's)
                  opt=None, # the proxy's optimizer (anything with `step()` and `zero_grad()`); default Adam at 1e-3 on its parameters
-                 train_every:int=4, # a training step on every `train_every`-th batch (1: every batch); the others are scored without gradients
+                 train_every:int=1, # a training step on every `train_every`-th batch (1: every batch); the others are scored without gradients
                  scale_factor:float=1., # downsample image inputs by this factor for the proxy, in (0, 1]
                  seed:int=0): # seed of the proxy's own random streams (its dropout, if any), on the CPU and on its device
         check_score_model(model); check_per_sample(loss_func)

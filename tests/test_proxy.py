@@ -89,7 +89,7 @@ def test_the_proxy_learns_and_the_model_runs_no_scoring_pass(digits):
     assert sum(calls) == n_train == spy.n                 # one forward a training step: no scoring pass of the model's own
     assert learn.loss_filter.fit_scored == 0
     ps, pt = learn.loss_filter.proxy_work()
-    assert learn.loss_filter.proxy.n_steps == math.ceil(n_train / 4) and pt > 0 and ps > 0
+    assert learn.loss_filter.proxy.n_steps == n_train and pt > 0 and ps == 0   # by default a step on every batch: each forward keeps its graph
     assert any(not torch.equal(p, q) for p, q in zip(w0, proxy.parameters()))
     assert all(p.device == q.device for p, q in zip(proxy.parameters(), learn.model.parameters()))
 
@@ -163,7 +163,7 @@ def test_the_readme_proxy_example_on_a_from_folder_pipeline(tmp_path):
     learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
     learn.top_loss(keep=.5, score_model=simple_cnn(n_in=3, n_out=dls.c, widths=(8, 16, 32)))   # a small proxy scores each batch
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(1)
-    assert learn.loss_filter.proxy.n_scored > 0 and 0 < learn.recorder.values[-1][list(learn.recorder.metric_names).index('samp_perc') - 1] < 1
+    assert learn.loss_filter.proxy.n_trained > 0 and 0 < learn.recorder.values[-1][list(learn.recorder.metric_names).index('samp_perc') - 1] < 1
     learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
     learn.top_loss(keep=.5, score_model=simple_cnn(n_in=1, n_out=dls.c, widths=(8, 16, 32)))   # built for one channel: the input is named
     with pytest.raises(ValueError, match=r"`score_model` cannot take this batch's input \(\[8, 3, 32, 32\]"), learn.no_bar(), learn.no_logging():
