@@ -40,10 +40,11 @@ sync: install
 	$(BIN)/python tools/readme.py --check
 
 # The tests in parallel: one worker per core, a test file at a time on one worker (a file's tests share fixtures), one
-# compute thread per worker (torch's threads spin-waiting for each other on shared cores cost more than they bring).
+# compute thread per worker (torch's threads spin-waiting for each other on shared cores cost more than they bring); the 15
+# slowest tests named at the end, to keep `make test` short.
 PYTEST_WORKERS ?= auto
 ONE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-PYTEST = $(ONE_THREAD) $(1)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider tests
+PYTEST = $(ONE_THREAD) $(1)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider --durations=15 tests
 
 pytest: install
 	$(call PYTEST,$(BIN))
