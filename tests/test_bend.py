@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from loss_filters.compare import read_runs, load_comparison
 from loss_filters.bench import bench_work_costs
-from loss_filters.verdicts import equal_work, bend_room, plain_curve
+from loss_filters.verdicts import equal_work, bend_room
 
 pytestmark = pytest.mark.fastai_neutral
 
