@@ -59,10 +59,12 @@ $(VENV_LATEST)/.installed: setup.py settings.ini
 	$(VENV_LATEST)/bin/python $(PIP_INSTALL) -U -e '.[distributed,grad]' fastai pytest pytest-xdist hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
 	touch $@
 
-# Tests marked `fastai_neutral` (statistics, selection rules in plain torch) test nothing of fastai's behaviour: the first pass ran them.
+# Tests marked `fastai_neutral` (statistics, selection rules in plain torch) test nothing of fastai's behaviour, and those marked
+# `tooling` (the benchmark's command line, the README's examples, the executors, tools/) make only fastai calls the others make too:
+# the first pass ran them.
 test-latest: $(VENV_LATEST)/.installed
 	$(VENV_LATEST)/bin/python -c "import fastai, fastcore, torch; print('latest env: fastai', fastai.__version__, 'fastcore', fastcore.__version__, 'torch', torch.__version__)"
-	$(call PYTEST,$(VENV_LATEST)/bin) -m 'not fastai_neutral'
+	$(call PYTEST,$(VENV_LATEST)/bin) -m 'not fastai_neutral and not tooling'
 
 # The main job: a first reading of the Batch Loss Filter with every control, 5 seeds, fits on every core, on Fashion-MNIST
 # (scikit-learn's digits when it is absent).

@@ -67,12 +67,15 @@ def tabular_df(n=600):
 
 # The slowest files first: `make test` runs a file at a time on each of two workers, so one long file started last
 # would keep one worker busy while the other sits idle.
-SLOWEST = ['test_bench.py', 'test_readme.py', 'test_stats.py', 'test_core.py', 'test_scores.py', 'test_tools.py', 'test_probe.py']
+SLOWEST = ['test_bench.py', 'test_readme.py', 'test_parallel.py', 'test_stats.py', 'test_core.py', 'test_scores.py', 'test_tools.py', 'test_probe.py']
 
 def pytest_configure(config):
     config.addinivalue_line('markers', "fastai_neutral: tests of the statistics and of the selection rules in plain torch, whose outcome fastai's "
                                        "version does not change (at most a callback is built to check a method's settings, as other tests do): "
                                        "`make test-latest`, the pass against the newest fastai, leaves them out")
+    config.addinivalue_line('markers', "tooling: tests of this package's own tools (the benchmark's command line, the README's examples as written, "
+                                       "the executors, the scripts in tools/), whose fastai calls the other tests make in both passes: "
+                                       "`make test-latest` leaves them out")
 
 def pytest_collection_modifyitems(items):
     rank = lambda item: SLOWEST.index(item.path.name) if item.path.name in SLOWEST else len(SLOWEST)

@@ -6,6 +6,7 @@ from fastai.basics import Callback
 from loss_filters.bench import lf_bench, summarise, format_table, time_to_target, parse_method
 from loss_filters.verdicts import _cols, budget_specs
 
+
 @pytest.fixture(scope='module')
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
@@ -13,6 +14,7 @@ def small_run(tmp_path_factory):
                    methods='baseline blf:skip_epochs=0 sb:start=0 sb:start=0,fill_batch=1 stale:prune=.9 blf_gn:skip_epochs=0')
     return out, res
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_results_json_keys_and_types(small_run):
     out, res = small_run
     saved = json.loads((out / 'results.json').read_text())
@@ -38,6 +40,7 @@ def test_results_json_keys_and_types(small_run):
     assert saved['model'] == 'cnn'
     assert 'blf_gn:skip_epochs=0' in saved['profile']
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_pngs_written_and_nonempty(small_run):
     out, _ = small_run
     diags = ['diag_blf_skip_epochs_0.png', 'diag_sb_start_0.png', 'diag_sb_start_0_fill_batch_1.png', 'diag_stale_prune_.9.png',
@@ -47,6 +50,7 @@ def test_pngs_written_and_nonempty(small_run):
         p = out / name
         assert p.exists() and p.stat().st_size > 1000 and p.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_table_has_the_columns(small_run):
     _, res = small_run
     lines = format_table(res['summary']).splitlines()
@@ -94,11 +98,13 @@ def test_method_settings_parse_numbers_and_booleans():
     assert kw == dict(follow_lr=True, max_hide=.5, lr_scale=False) and run == dict(epochs=4)
     assert cls(**kw).follow_lr is True
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_console_script_help():
     script = Path(sys.executable).parent / 'lf_bench'             # the installed console script
     out = subprocess.run([str(script), '--help'], capture_output=True, text=True, check=True, timeout=120).stdout
     for opt in ('--data', '--epochs', '--bs', '--lr', '--methods', '--seed', '--out', '--repeats', '--target'): assert opt in out
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_console_script_exits_zero(tmp_path):
     "The installed script runs a tiny bench and exits 0 (a returned value would become exit status 1)"
     script = Path(sys.executable).parent / 'lf_bench'
@@ -143,11 +149,13 @@ def test_epochs_setting_shortens_one_method():
     lines = format_table(rows).splitlines()
     assert [l.split()[1] for l in lines[1:]] == ['3', '1', '2']
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_models_option(tmp_path):
     res = lf_bench(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, profile=True, model='mlp', methods='baseline blf:skip_epochs=0')
     assert res['model'] == 'mlp' and 0 < res['profile']['blf:skip_epochs=0']['overhead_share'] < 10
     with pytest.raises(ValueError, match='`model` must be one of cnn, mlp, wrn'): lf_bench(data='digits', model='vit', out=str(tmp_path))
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_label_noise_and_augment_options(tmp_path):
     res = lf_bench(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline', label_noise=.2, score_cost=.3,
                    augment='yes')
@@ -163,6 +171,7 @@ def long_run(tmp_path_factory):
                    methods='baseline blf:skip_epochs=0 stale hide:confidence=.2')
     return out, res
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     out, res = long_run
     saved = json.loads((out / 'results.json').read_text())
@@ -221,6 +230,7 @@ def test_crop_flip_keeps_shapes_and_moves_pixels():
     def crops(i): return [v.flip(-1) if f else v for r in range(5) for c in range(5) for f in (0, 1) for v in [xp[i, :, r:r + 8, c:c + 8]]]
     assert all(any(torch.equal(ax[i], v) for v in crops(i)) for i in range(16))   # each image: one crop of its padded self
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_console_script_long_preset_runs_the_controls(tmp_path):
     "From the command line too, the long preset brings its controls (a `bool=None` option would parse as a False flag)"
     script = Path(sys.executable).parent / 'lf_bench'
@@ -342,6 +352,7 @@ def _main(monkeypatch, *argv):
     monkeypatch.setattr(sys, 'argv', ['lf_bench', *argv])
     main()
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 @pytest.mark.parametrize('spelling', ['--n_train', '--n-train'])
 def test_console_script_takes_both_option_spellings(tmp_path, spelling, monkeypatch):
     "fastcore 1 spells options `--n_train`, fastcore 2 `--n-train`: the script takes both under either"
@@ -351,6 +362,7 @@ def test_console_script_takes_both_option_spellings(tmp_path, spelling, monkeypa
     saved = json.loads((tmp_path / 'results.json').read_text())
     assert saved['n_train'] == 300 and saved['evals_per_epoch'] == 2 and saved['score_cost'] == .5
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 @pytest.mark.parametrize('opt,bad', [('--preset', 'fast'), ('--model', 'vit'), ('--augment', 'maybe'), ('--data', 'cifar')])
 def test_console_script_refuses_an_unknown_choice_before_any_work(opt, bad, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e: _main(monkeypatch, opt, bad)
@@ -365,6 +377,7 @@ def test_aug_preset_settings_are_pinned():
                                   n_valid=5_000, methods='baseline blf sb stale hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1, target=.8029)
     assert PRESETS['long']['augment'] is False   # the clean, short-schedule regime stays beside it
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_a_shortened_aug_preset_runs_with_its_controls(tmp_path):
     res = lf_bench(data='digits', preset='aug', epochs=3, n_train=400, n_valid=200, bs=64, methods='baseline stale', score_cost=.3,
                    out=str(tmp_path), quiet=True)
@@ -392,6 +405,7 @@ def test_a_seed_whose_plain_schedules_miss_the_target_counts_their_longest_cost_
     lo, hi = blf['vs_best_plain_work_ci']   # a 90% t interval on 1 degree of freedom: far wider than the two ratios
     assert lo < 1.8 / .9 and hi > 2 / .9 and blf['vs_best_plain_work_test']['n'] == 2
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
     kw = dict(data='digits', preset='quick', epochs=1, bs=64, out=str(tmp_path), quiet=True, methods='baseline blf:skip_epochs=0', score_cost=.3, n_train=600)
     full = lf_bench(**kw)
@@ -407,6 +421,7 @@ def test_resume_goes_on_from_a_cut_off_run(tmp_path, capsys):
     with pytest.raises(ValueError, match=r'other data \(seed=0, now 1\)'): lf_bench(**kw, seed=1, resume=True)   # the seed draws the data split
     assert len(lf_bench(**{**kw, 'n_train': 500})['runs']) == 2   # without `resume` it starts over
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_probe_cost_option(tmp_path):
     "`--probe_cost`: the probe's time per probe and by part, a plain step's, and its share of a real fit, written to probe_cost.json"
     res = lf_bench(data='digits', bs=64, out=str(tmp_path), model='mlp', probe_cost=True)
@@ -441,6 +456,7 @@ def test_main_preset_settings_are_pinned():
     assert (pre['methods'], pre['seeds'], pre['model'], pre['controls'], pre['epochs']) == ('baseline blf', 5, 'mlp', True, 4)
     assert budget_specs(pre['epochs'], pre['budgets']) == [f'baseline:epochs={k}' for k in (2, 3, 5, 6)]
 
+@pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_the_main_job_ends_with_an_answer(tmp_path):
     "The README's main job from the command line, two fits at a time on the digits: one table of verdicts and one line per method, no placeholder"
     script = Path(sys.executable).parent / 'lf_bench'

@@ -6,6 +6,8 @@ from loss_filters.compare import compare_filters, load_comparison
 from loss_filters.plan import fit_executor
 from test_compare import tab_learner   # module-level: a process pool sends it to its workers by name
 
+pytestmark = pytest.mark.tooling   # run once, in the first pass (conftest.py)
+
 KW = dict(methods='baseline blf', epochs=2, lr=1e-2, seeds=2, budgets='.5 1.5', show_progress=False, warmup=False)
 
 def _same_runs(a, b):

@@ -12,6 +12,8 @@ import configparser, math, os, re, shlex, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 
+pytestmark = pytest.mark.tooling   # run once, in the first pass (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / 'README.md'
 BIN = Path(sys.executable).parent

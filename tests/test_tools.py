@@ -7,6 +7,8 @@ from fastai.basics import Callback, Learner, CrossEntropyLossFlat, accuracy, set
 from loss_filters.all import *
 from conftest import make_dls, mlp, BatchSpy
 
+pytestmark = pytest.mark.tooling   # run once, in the first pass (conftest.py)
+
 TOOLS = Path(__file__).resolve().parent.parent / 'tools'
 
 def _tool(name:str):
