@@ -172,11 +172,11 @@ def bend_room(curve:dict, work:float) -> float|None:
     "How far a concave plain curve could lie above the line between the two schedules around `work`: the lower of the neighbouring chords extended to `work`, less the line (0 where it lies below); None with no schedule beyond those two"
     pts = curve['points']
     if (seg := _segment([p[0] for p in pts], work)) is None: return None
-    (i, f), ext = seg, []
+    i, ext = seg[0], []
     (w0, v0, _), (w1, v1, _) = pts[i], pts[i + 1]
     if i > 0 and (pw := pts[i - 1])[0] < w0: ext.append(v0 + (v0 - pw[1]) / (w0 - pw[0]) * (work - w0))   # the chord on the left, carried on
     if i + 2 < len(pts) and (nw := pts[i + 2])[0] > w1: ext.append(v1 - (nw[1] - v1) / (nw[0] - w1) * (w1 - work))   # the one on the right, carried back
-    return max(0., min(ext) - (v0 + f * (v1 - v0))) if ext else None
+    return max(0., min(ext) - curve_at(curve, work)[0]) if ext else None   # less the line, as the reading reads it
 
 def _interp(curve:list, t:float) -> tuple:
     "Value (and spread) of a budget curve `[(cost, value, spread)]` at cost `t`; None outside its range"
