@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_compare.ipynb #64689ed7
 from __future__ import annotations
-import json, platform, sys, textwrap, time, warnings
+import json, os, platform, sys, textwrap, time, warnings
 from functools import partial
 from pathlib import Path
 import torch
@@ -15,7 +15,7 @@ from .core import check_range
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
                                seeded_proxy, StopAfter, BLIND)
-from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control,
+from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control, same_work_controls, work_slug,
                                    best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text,
                                    mult_text, diff_text, knee_target, target_cell, method_note)
 from .plots import budget_figure, time_figure, save_figure, plot_colors, metric_label
@@ -88,11 +88,16 @@ class Comparison:
         held = lambda v: '' if not v else f"{d(v)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
         rows = [r for r in self.rows if r['method'] not in skip]
         own = any(r.get('vs_self') for r in rows)   # a proxy-scored method: against the same filter scored by the model
+        at_work = any(r.get('vs_random_work') for r in rows)   # random choice at equal work was run
+        secs = any(r.get('vs_budget_s') for r in rows)   # the runs' seconds can be read
+        alt = lambda v: mult_text(v.get('best_x'), v.get('best_x_censored')) if v and v.get('best_x') is not None else ''
+        sec = lambda r: f"{payoff_word(r, has, 'vs_budget_s').split(' (')[0]}, {alt(r['vs_budget_s'])}" if r.get('vs_budget_s') else ''
         cols = ['method', 'seeds', 'equal_work', f'ci{lvl}', f'payoff_at_{pct_text(self.alpha)}', 'vs_plain', 'vs_random',
-                'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own
+                'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own + ['vs_random_at_work', 'alternative_needs'] * at_work + ['in_seconds'] * secs
         return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('vs_budget')), ci(r.get('vs_budget')), payoff_word(r, has),
                                       held(r.get('vs_plain')), pts(r.get('vs_random')),
-                                      target_cell(r, has), ci_text(r.get('vs_best_plain_work_ci')) or ''] + [pts(r.get('vs_self'))] * own for r in rows])
+                                      target_cell(r, has), ci_text(r.get('vs_best_plain_work_ci')) or ''] + [pts(r.get('vs_self'))] * own
+                                     + [pts(r.get('vs_random_work')), alt(r.get('vs_budget'))] * at_work + [sec(r)] * secs for r in rows])
 
     def _judged(self) -> list:
         "The rows of the methods judged (not the plain model, its schedules or the controls)"
@@ -108,21 +113,29 @@ class Comparison:
             if not v: return 'not read'
             return num(v['diff']) + (f" ({num(v['lo'])} to {num(v['hi'])})" if v.get('lo') is not None else '')
         def needs(v):
-            if not v or v.get('x') is None: return 'not read'
-            return mult_text(v['x'], v['x_censored']) + (f" ({mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])})"
-                                                           if v.get('x_lo') is not None else '')
-        table = _text_table([['method', 'verdict', 'at equal work', 'training less needs', f'to target {tgt}']] +
+            if not v or v.get('best_x') is None: return 'not read'
+            return mult_text(v['best_x'], v['best_x_censored']) + (
+                f" ({mult_text(v['best_x_lo'], v['best_x_lo_censored'])} to {mult_text(v['best_x_hi'], v['best_x_hi_censored'])})" if v.get('best_x_lo') is not None else '')
+        def seconds(r):
+            if not r.get('vs_budget_s'): return 'not read'
+            return f"{payoff_word(r, has, 'vs_budget_s').split(' (')[0]}, {mult_text(r['vs_budget_s']['best_x'], r['vs_budget_s']['best_x_censored'])}"
+        table = _text_table([['method', 'verdict', 'at equal work', 'an alternative needs', 'in seconds']] +
                             [[r['method'], payoff_word(r, has).split(' (')[0], equal_work(r.get('vs_budget')), needs(r.get('vs_budget')),
-                              target_cell(r, has)] for r in rows])
+                              seconds(r)] for r in rows])
         better = 'lower' if self.sign < 0 else 'higher'
         head = (f"{metric_label(self.metric)} ({better} is better), {seeds_text(self.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
                 f"{'FLOPs' if self.settings.get('work') == 'flops' else 'measured step times'}")
-        legend = [f"verdict, at equal work: the method's final value against the plain model trained for the same work (read on the curve of its "
-                  f"schedules), in {'points' if unit == 'points' else unit}, + better, with its {lvl}% interval over seeds; training less needs: the "
-                  "plain model's work to match it, over the method's.",
-                  f"to target: the cheapest plain schedule's work to {tgt} ({self.target_source}) over the method's; 'missed' where no run got there."]
+        unread = next((r['seconds_unread'] for r in rows if r.get('seconds_unread')), None)
+        legend = [f"verdict: pays where the method ends above both simple alternatives, seed by seed, each by a one-sided test: the plain model "
+                  f"trained for its work (at equal work, in {'points' if unit == 'points' else unit}, + better, with its {lvl}% interval over "
+                  "seeds; read on the curve of the plain schedules where no plain run at its work was made) and random choice at equal work "
+                  "(the plain model at a smaller batch; at its share where that was not run); an alternative needs: the work the better of "
+                  "training less and random choice needs to match it, over the method's; in seconds: the same reading with each fit's own "
+                  "training seconds" + (f" (not read: {unread})." if unread else '.'),
+                  f"to target, the second reading, never a verdict by itself: the cheapest plain schedule's work to {tgt} ({self.target_source}) "
+                  "over the method's, and its runs that got there; 'missed' where none did."]
         return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 100) for l in legend] + [''] +
-                         [textwrap.fill(method_note(r, has), 100, subsequent_indent='  ') for r in rows] +
+                         [textwrap.fill(f"{method_note(r, has)}; to target: {target_cell(r, has)}", 100, subsequent_indent='  ') for r in rows] +
                          ['', 'More: cmp.table (every figure of every run and control), cmp.verdicts (every test), cmp.plot().'])
 
     @property
@@ -280,11 +293,12 @@ def _found_controls(runs:list) -> tuple:
     budgets = [m for m in names if m.startswith('baseline:epochs=')]
     def found(m):
         cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
+        at_work = [n for n in names if judged_method(n).run.get('same_work') == work_slug(m)]   # its plain and random runs at its own work
         if not any(c.startswith('random') for c in cs):   # runs saved without the kept shares: the random control on the same settings
             spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
             like = [n for n in names if spec and _like(n, spec)]
             if len(like) == 1: cs.insert(0, like[0])
-        return cs
+        return cs + at_work
     of = {m: found(m) for m in names if judged_method(m).filters}
     controls = set(control_specs(of))
     return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
@@ -432,17 +446,21 @@ def _save_settings(folder:Path|None, settings:dict):
 
 def _controls_of(spec:str, runs:list) -> list:
     "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself"
-    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c]
+    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c] + same_work_controls(spec, runs)
 
 def _control_fits(fit:Fit, results:dict, seeds:range, repeats:int) -> list:
     "For `run_plan`: a method's controls on every seed, once all of its runs are in"
     keys = [(fit.spec, sd, rep) for sd in seeds for rep in range(repeats)]
     if fit.kind != 'method' or not all(k in results for k in keys): return []
-    return [Fit(c, sd, rep, 'control') for sd in seeds for rep in range(repeats) for c in _controls_of(fit.spec, [results[k] for k in keys])]
+    def control(c:str, sd:int, rep:int) -> Fit:   # the plain model at a run's own work: one schedule over as many examples as that work in plain epochs
+        run, m = results[(fit.spec, sd, rep)], parse_method(c)
+        return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.cls is None and 'same_work' in m.run else None)
+    return [control(c, sd, rep) for sd in seeds for rep in range(repeats) for c in _controls_of(fit.spec, [results[k] for k in keys])]
 
 def _diagnostics_of(fit:Fit, folder:Path|None, seed:int) -> dict:
-    "For `run_plan`: the folder of a filter's diagnostics figure, for each method's first run"
-    return dict(diag=folder) if folder is not None and fit.kind == 'method' and fit.seed == seed and fit.repeat == 0 else {}
+    "For `run_plan`: the folder of a filter's diagnostics figure, for each method's first run; the examples of a schedule cut to a run's work"
+    cut = {} if fit.examples is None else dict(examples=fit.examples)
+    return cut | (dict(diag=folder) if folder is not None and fit.kind == 'method' and fit.seed == seed and fit.repeat == 0 else {})
 
 def _ordered(results:dict, specs:list, judged:range, repeats:int, plain:list, ref_seeds:range, controls:bool) -> tuple:
     "`(runs, reference runs, plain schedules, each method's controls)`, the runs in one order wherever they trained: seed by seed the methods, then seed by seed the plain schedules and the controls"
@@ -457,7 +475,7 @@ class _Ledger:
     "What this process does with each run as it comes back: its work counted, saved to `runs.jsonl`, counted on the bar; after the first, the time estimate"
     def __init__(self, folder:Path|None, settings:dict, n:int, fits:float, saved:int, workers:int, show:bool, on_run=None):
         store_attr()
-        self.n_done, self.first = saved, True
+        self.n_done, self.first, self.sitting = saved, True, f'{time.time():.0f}-{os.getpid()}'   # this call's runs: their seconds compare with each other
         bar_ok = IN_NOTEBOOK or sys.stdout.isatty()   # to a file or a pipe, a console bar's redraws would be written line after line
         self.bar = progress_bar(range(n), leave=False) if show and bar_ok else None
         if self.bar is not None: self.bar.update(saved)
@@ -467,7 +485,8 @@ class _Ledger:
 
     def finished(self, f:Fit, run:dict) -> dict:
         st = self.settings
-        run = add_work(run | dict(seed=f.seed, repeat=f.repeat), st['score_cost'], st['proxy_cost'].get(str(parse_method(f.spec).proxy)))
+        run = add_work(run | dict(seed=f.seed, repeat=f.repeat, sitting=self.sitting, workers=self.workers), st['score_cost'],
+                       st['proxy_cost'].get(str(parse_method(f.spec).proxy)))   # `sitting`: runs of one call, interleaved, share the machine's load
         if f.kind == 'reference': run['reference'] = True   # saved as such: never judged, on resuming too
         if self.folder is not None:
             with open(self.folder / 'runs.jsonl', 'a') as fh: fh.write(json.dumps(run) + '\n')

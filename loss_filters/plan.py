@@ -17,7 +17,7 @@ __all__ = ['Fit', 'comparison_plan', 'InlineExecutor', 'cores_each', 'fit_execut
 # %% ../nbs/08b_plan.ipynb #3b303b18
 class Fit(NamedTuple):
     "One fit of a comparison: a method from a seed; `kind` is 'reference' (fixes the target, never judged), 'method' or 'control'"
-    spec:str; seed:int; repeat:int=0; kind:str='method'
+    spec:str; seed:int; repeat:int=0; kind:str='method'; examples:int|None=None   # `examples`: a schedule over that many examples (`run_fit`)
     @property
     def key(self) -> tuple: return (self.spec, self.seed, self.repeat)   # how saved runs are found again
 
@@ -104,7 +104,7 @@ def train_fit(make_learner, spec:str, seed:int, threads:int|None=None, warmup:bo
     if warmup: _warm_up(make_learner, kwargs.get('lr', 1e-3))
     t0 = time.perf_counter()
     r = run_fit(make_learner, spec, seed=seed, **kwargs)
-    return r | dict(fit_s=time.perf_counter() - t0)
+    return r | dict(fit_s=time.perf_counter() - t0, threads=torch.get_num_threads())   # the threads it trained on: its seconds are read beside runs of the same
 
 def run_plan(plan:list, # the `Fit`s known now
              train, # `train(spec, seed)` -> the run: picklable for an executor of processes

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 import torch
-from fastai.basics import Callback, CancelFitException, set_seed, find_bs
+from fastai.basics import Callback, CancelFitException, CancelTrainException, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback, proxy_opt
@@ -20,8 +20,8 @@ from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPrunin
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'Method', 'parse_method', 'RetiredMethod', 'judged_method',
            'lower_is_better', 'metric_sign', 'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders',
-           'run_fit', 'seeded_proxy', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost',
-           'learner_proxy_cost', 'learner_flop_costs']
+           'run_fit', 'CutSchedule', 'seeded_proxy', 'time_to_target', 'add_work', 'timed', 'StopAfter',
+           'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs']
 
 # %% ../nbs/08_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -32,7 +32,8 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
                topk=(TopLossCallback, {}),
                random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
-RUN_SETTINGS = ('epochs', 'lr_mult')   # settings of the run, not of a callback: allowed on every method, the baseline too
+RUN_SETTINGS = ('epochs', 'lr_mult', 'same_work')   # settings of the run, not of a callback: allowed on every method, the baseline too
+# `same_work=<method>`: a control trained at that method's own work (`work_slug` spells the method), which the comparison adds
 
 def _value(s:str):
     if s in ('True', 'False'): return s == 'True'
@@ -186,7 +187,8 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
             show_progress:bool=False, # fastai's progress bar and table for this fit
             diag:Path|None=None, # folder for the filter's diagnostics figure; None: no figure
             cbs:list|None=None, # more callbacks for this fit
-            make_proxy=None # `make_proxy(width) -> nn.Module`: the proxy of a method with `proxy=width`
+            make_proxy=None, # `make_proxy(width) -> nn.Module`: the proxy of a method with `proxy=width`
+            examples:int|None=None # train one schedule over this many examples (in whole batches), its last epoch cut short: the plain model at another run's work; None: `epochs` whole epochs
            ) -> dict:
     "Train one method from `seed` on a new Learner from `make_learner`; its timings, work, history and kept shares"
     m = parse_method(spec)
@@ -196,6 +198,9 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     if m.proxy is not None: kw = kw | dict(score_model=seeded_proxy(make_proxy, m.proxy, seed, spec))   # before the loaders' seeds: it may draw a batch
     seed_loaders(learn, seed)   # the same data order for every method
     clock = EpochClock(evals_per_epoch, metric, sign, check)
+    cut = [] if examples is None else [CutSchedule(max(1, round(examples / learn.dls.train.bs)))]
+    if cut: epochs = math.ceil(cut[0].n_batches / len(learn.dls.train))   # the epochs it starts; the last one is cut short
+    cbs = cut + list(cbs or [])
     learn.add_cbs([clock] + list(cbs or []))
     if cb_cls is not None: learn.add_cb(cb_cls(**kw))
     try:
@@ -212,6 +217,16 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
                 plain_epoch=plain_epoch_size(learn.dls.train.n, learn.dls.train.bs, learn.dls.train.drop_last),
                 lr_mult=getattr(filt, 'mean_lr_mult', 1.), history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
+
+class CutSchedule(Callback):
+    "One schedule over exactly `n_batches` training batches: the scheduler's progress counted over them, the fit's last epoch stopped when they are done (then validated)"
+    order = ParamScheduler.order - 1   # its progress is set before the scheduler reads it
+    def __init__(self, n_batches:int): self.n_batches = n_batches
+    def before_batch(self):
+        if self.training: self.learn.pct_train = self.learn.train_iter / self.n_batches
+    def after_batch(self):
+        if self.training and self.learn.train_iter >= self.n_batches: raise CancelTrainException()
+    def after_cancel_train(self): self.learn.recorder.cancel_train = False   # an epoch cut short, not cancelled: the Recorder logs its training loss
 
 def seeded_proxy(make_proxy, width:float, seed:int, spec:str='') -> torch.nn.Module:
     "`make_proxy(width)`, its weights drawn from `seed` without moving torch's global random state (the main model's draws stay the plain run's)"

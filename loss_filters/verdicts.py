@@ -7,15 +7,16 @@ from __future__ import annotations
 import math, statistics
 from .batch import LossFilterCallback, RandomBatchCallback
 from .sampler import SamplerPruningCallback, RandomPruningCallback
-from .runs import parse_method, judged_method, time_to_target, RetiredMethod
+from .runs import parse_method, judged_method, time_to_target, RetiredMethod, BLIND
 from .stats import paired_test, curve_test, shown, seeds_needed
 
 # %% auto #0
-__all__ = ['per_seed', 'default_drop', 'summarise', 'budget_specs', 'matched_control', 'rate_control', 'self_scored_control',
-           'control_specs', 'plain_curve', 'curve_at', 'curve_work', 'bend_room', 'equal_work', 'mult_text',
-           'knee_target', 'best_plain', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text',
-           'seeds_text', 'payoff_test', 'payoff_word', 'equal_work_text', 'bend_text', 'target_text', 'payoff_line',
-           'target_cell', 'method_note', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
+__all__ = ['per_seed', 'default_drop', 'summarise', 'budget_specs', 'matched_control', 'work_slug', 'same_work_controls',
+           'same_work_of', 'rate_control', 'self_scored_control', 'control_specs', 'plain_curve', 'curve_at',
+           'curve_work', 'bend_room', 'random_points', 'alternative_work', 'equal_work', 'mult_text', 'knee_target',
+           'best_plain', 'seconds_unread', 'add_verdicts', 'ratio_text', 'pct_text', 'ci_text', 'diff_text',
+           'points_text', 'seeds_text', 'payoff_test', 'payoff_word', 'equal_work_text', 'bend_text', 'target_text',
+           'payoff_line', 'target_cell', 'method_note', 'verdict_lines', 'ci_level', 'table_columns', 'format_table']
 
 # %% ../nbs/09_verdicts.ipynb #6271835c
 def _med(xs):
@@ -99,6 +100,26 @@ def matched_control(spec:str, runs:list) -> str|None:
     if not shares: return None
     return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"
             f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}{sched}")
+
+def work_slug(spec:str) -> str:
+    "`spec` spelled to sit inside another spec's settings: `'topk:proxy=.25,keep=.3'` -> `'topk/proxy=.25+keep=.3'`"
+    return str(spec).replace(':', '/').replace(',', '+')
+
+def same_work_controls(spec:str, runs:list) -> list:
+    "The two simple alternatives at `spec`'s own work, a user's without the package: the plain model trained for exactly each run's work (`baseline:same_work=...`: one schedule over as many examples), and random choice at equal work (the plain model at the smaller batch that spends the method's mean work in its steps; none where that batch would not be smaller)"
+    m = judged_method(spec)
+    if m.cls is None or issubclass(m.cls, (RandomPruningCallback, RandomBatchCallback, RetiredMethod)): return []
+    rs = [r for r in runs if r['method'] == spec and r.get('work') is not None]
+    if not rs: return []
+    tag, rate = f"same_work={work_slug(spec)}", ''.join(f",lr_mult={v}" for k, v in m.run.items() if k == 'lr_mult')
+    keep = statistics.fmean(r['work'] / r['epochs'] for r in rs)   # the share of each of its batches that spends its work
+    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k in ('epochs', 'lr_mult'))
+    return [f"baseline:{tag}{rate}"] + ([f"random_batch:keep={keep:.3f}{sched},{tag}"] if keep < 1 else [])
+
+def same_work_of(method:str, controls:list) -> tuple:
+    "`(plain, random)`: `method`'s controls at its own work among `controls` (None where one is missing)"
+    mine = [c for c in controls if judged_method(c).run.get('same_work') == work_slug(method)]
+    return (next((c for c in mine if judged_method(c).cls is None), None), next((c for c in mine if judged_method(c).cls is not None), None))
 
 def rate_control(spec:str, runs:list) -> str|None:
     "The plain baseline at the mean rate multiplier `spec`'s filter applied, for a filter that changes the learning rate; else None"
@@ -189,13 +210,32 @@ def _own_value(run:dict, runs:list, plain:list):
     own = sorted((x['work'], x['final_accuracy'], 0.) for x in runs if _pair(x) == _pair(run) and x['method'] in plain and x.get('work') is not None)
     return _interp(own, run['work'])[0] if len(own) > 1 else None
 
+def random_points(runs:list) -> list:
+    "Random choice at every share run (the plain model at a smaller batch): `(work, value, method)`, means over its runs, by work"
+    by = {}
+    for r in runs:
+        if r.get('work') is not None and judged_method(r['method']).name in BLIND: by.setdefault(r['method'], []).append(r)
+    return sorted((statistics.fmean(r['work'] for r in rs), statistics.fmean(r['final_accuracy'] for r in rs), m) for m, rs in by.items())
+
+def alternative_work(curve:dict, # the plain curve (`plain_curve`)
+                     rand:list, # random choice's points, `random_points(runs)`
+                     value:float # the value to reach
+                    ) -> tuple:
+    "`(work, censored, by)`: the least work at which the better of two curves reaches `value`: the plain schedules' (`by` None) or random choice's, through its points at every share run (`by`: the random method nearest the crossing); `censored` as `curve_work`'s"
+    w, c = curve_work(curve, value)
+    if not rand: return w, c, None
+    rw, rc = curve_work(dict(points=_pava([(rw, rv, 1) for rw, rv, _ in sorted(rand)])), value) or (None, 'above')   # random choice's curve, never falling
+    if rc == 'above' or not (c == 'above' or rw < w): return w, c, None   # random choice never gets there, or only with more work
+    return rw, rc, min(rand, key=lambda p: abs(p[0] - rw))[2]
+
 def equal_work(runs:list, # the runs of a comparison
                method:str, # the method judged
                plain:list, # the plain schedules' method names (`baseline` and the budgets)
                alpha:float=.05, # the level of the test
-               curve:dict|None=None # `plain_curve(runs, plain)`, when already made
+               curve:dict|None=None, # `plain_curve(runs, plain)`, when already made
+               same:str|None=None # the plain model's runs at the method's own work (`baseline:same_work=...`): each seed against its own, no line read across a bend
               ) -> dict|None:
-    "The method's final value against training less at its work (`diff`, interval, verdict, over its seeds), and the same as a work multiplier `x` read off the fitted plain curve, with its interval"
+    "The method's final value against training less at its work (`diff`, interval, verdict, over its seeds), the same as a work multiplier `x` read off the fitted plain curve, and `best_x` read off the better of training less and random choice at a share (`best_by` names random choice where it is the better one), each with its interval"
     curve = curve or plain_curve(runs, plain)
     ms = [r for r in runs if r['method'] == method and r.get('work') is not None]
     if not ms or curve is None: return None
@@ -203,18 +243,25 @@ def equal_work(runs:list, # the runs of a comparison
     base, var = curve_at(curve, work)
     if base is None: return None   # the method's work lies outside the plain schedules' range: no curve to read there
     paired = per_seed([(r.get('seed'), None if (c := _own_value(r, runs, plain)) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
-    if None not in paired: t, how = paired_test(paired, alpha), 'paired'   # each seed against its own plain runs: the seed's luck cancels
+    at_work = _paired_diffs(method, _run_of(same), runs) if same else [None]
+    if at_work and None not in at_work: t, how = paired_test(at_work, alpha), 'same work'   # each seed against the plain model run at its own work
+    elif None not in paired: t, how = paired_test(paired, alpha), 'paired'   # each seed against its own plain runs: the seed's luck cancels
     else:   # a seed without its own plain runs at that work: against the curve over every seed, its own error counted
         diffs = per_seed([(r.get('seed'), None if (c := curve_at(curve, r['work'])[0]) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
         if None in diffs: return None
         t, how = curve_test(diffs, var, curve['df'], alpha), 'fitted curve'
-    verdict, bend = _WORDS[shown(t)], bend_room(curve, work)
+    verdict, bend = _WORDS[shown(t)], 0. if how == 'same work' else bend_room(curve, work)   # run at its work, the plain model leaves no bend to bound
     if verdict == 'beats' and (bend is None or t['lo'] <= bend): verdict = 'within the bend'   # the gain could be the line's error under a bending curve
     mult = lambda d: (lambda w, c: (w / work, c))(*curve_work(curve, base + d))
     x, xc = mult(t['est'])
     (lo, loc), (hi, hic) = (mult(t['lo']), mult(t['hi'])) if t['lo'] is not None else ((None, None), (None, None))
+    rand = random_points(runs)
+    alt = lambda d: (lambda w, c, by: (w / work, c, by))(*alternative_work(curve, rand, base + d))
+    bx, bxc, by = alt(t['est'])
+    (blo, bloc, _), (bhi, bhic, _) = (alt(t['lo']), alt(t['hi'])) if t['lo'] is not None else ((None, None, None),) * 2
     return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=verdict, how=how,
-                work=work, curve_value=base, bend=bend, x=x, x_censored=xc, x_lo=lo, x_lo_censored=loc, x_hi=hi, x_hi_censored=hic)
+                work=work, curve_value=base, bend=bend, x=x, x_censored=xc, x_lo=lo, x_lo_censored=loc, x_hi=hi, x_hi_censored=hic,
+                best_x=bx, best_x_censored=bxc, best_by=by, best_x_lo=blo, best_x_lo_censored=bloc, best_x_hi=bhi, best_x_hi_censored=bhic)
 
 def mult_text(x:float|None, censored:str|None=None) -> str:
     "A work multiplier as `'1.23x'`, `'≥1.40x'` where the plain curve never gets there, `'≤0.56x'` where its first point already does"
@@ -301,6 +348,13 @@ def _second_reading(r:dict, runs:list, plain:list, target:float, alpha:float):
     r['vs_best_plain_x'] = _gmean(t)[0] if None not in t and not any(missed) else None
     r['vs_best_plain_work_ci'] = _ci(r['vs_best_plain_work_test'])
 
+def seconds_unread(runs:list) -> str|None:
+    "Why the runs' training seconds cannot be read beside each other (trained in several sittings, on other thread counts, or saved without saying); None where they can"
+    sittings, threads = {r.get('sitting') for r in runs}, {r.get('threads') for r in runs}
+    if None in sittings: return "runs saved without their sitting: their loads are unknown"
+    if len(sittings) > 1: return f"runs from {len(sittings)} sittings (resumed): their loads differ"
+    if len(threads) > 1: return f"runs on {len(threads)} thread counts"
+
 def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:float|None=None, runs:list|None=None,
                  alpha:float=.05, margin:float=.002, unit:str='points') -> list:
     "Each method at equal work against the plain curve (the first reading), to `target` against the cheapest plain schedule (the second), against its random control and the plain model, tested over seeds at `alpha`"
@@ -308,7 +362,12 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
     plain = [m for m in ['baseline', *budgets] if m in by]
     pcurve = sorted((by[m]['work'], by[m]['final_accuracy'], 0.) for m in plain if by[m].get('work') is not None)
     controls = control_specs(control_of)
-    fitted = plain_curve(runs, plain) if runs else None
+    at_work = {m: same_work_of(m, cs) for m, cs in control_of.items()}   # each method's plain and random runs at its own work
+    curve_of = plain + [p for p, _ in at_work.values() if p in by]   # the plain runs at a method's work are points of the plain curve too
+    fitted = plain_curve(runs, curve_of) if runs else None
+    unread = seconds_unread(runs) if runs else 'no per-seed runs'
+    runs_s = None if unread else [r | dict(work=r['train_s']) for r in runs]   # the same reading with each fit's own training seconds as its work
+    fitted_s = plain_curve(runs_s, curve_of) if runs_s else None
     best = best_plain(rows, plain, target) if target is not None and len(plain) > 1 else None
     for r in rows:
         m = r['method']
@@ -319,17 +378,20 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
                 r['vs_best_plain_work_x'] = _ratio(best['work'], r.get('work_to_target'))
                 r['vs_best_plain_x'] = _ratio(best['train_s'], r.get('target_s'))
         if m in plain or m in controls: continue
-        rand = next((c for c in control_of.get(m, []) if c.startswith('random')), None)
+        same_plain, same_rand = at_work.get(m, (None, None))
+        rand = next((c for c in control_of.get(m, []) if c.startswith('random') and c != same_rand), None)   # random choice at its share
         if runs:
-            if fitted is not None and (ew := equal_work(runs, m, plain, alpha, fitted)): r['vs_budget'] = ew
-            for k, c in (('vs_random', rand), ('vs_self', self_scored_control(m))):   # None where a seed lacks the control's run
+            if fitted is not None and (ew := equal_work(runs, m, curve_of, alpha, fitted, same_plain if same_plain in by else None)): r['vs_budget'] = ew
+            if fitted_s is not None and (ew := equal_work(runs_s, m, curve_of, alpha, fitted_s)): r['vs_budget_s'] = ew   # seconds: the curve's reading
+            elif unread: r['seconds_unread'] = unread
+            for k, c in (('vs_random', rand), ('vs_random_work', same_rand), ('vs_self', self_scored_control(m))):   # None where a seed lacks the control's run
                 if c in by and c in control_of.get(m, []) and (t := _acc_test(_paired_diffs(m, _run_of(c), runs), alpha)): r[k] = t | dict(control=c)
             if 'baseline' in by:
                 d = _paired_diffs(m, _run_of('baseline'), runs)
                 r['vs_plain'] = _acc_test(d, alpha)
                 held = shown(paired_test(d, alpha, null=-margin))
                 if r['vs_plain']: r['vs_plain'].update(margin=margin, holds=None if held is None else held == 'above')
-            for k in ('vs_random', 'vs_plain', 'vs_self'):
+            for k in ('vs_random', 'vs_random_work', 'vs_plain', 'vs_self'):
                 if k in r and r[k] is None: del r[k]
         else:   # medians only: the differences, without a test
             untested = lambda diff: dict(diff=diff, lo=None, hi=None, n=1, level=1 - 2 * alpha, alpha=alpha, verdict='no verdict (no per-seed runs)')
@@ -383,12 +445,17 @@ def payoff_test(r:dict, has_budgets:bool) -> tuple:
 _PAYS = {'beats': 'pays', 'loses': 'does not pay', 'no difference shown': 'no gain shown', 'no verdict (1 seed)': 'no verdict (1 seed)',
          'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)', 'within the bend': 'no verdict (bend)'}
 
-def payoff_word(r:dict, has_budgets:bool=True) -> str:
-    "The first reading in a word or two, at equal work against training less: 'pays', 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'no verdict (bend)', 'never filtered', or why there is no reading"
+def payoff_word(r:dict, has_budgets:bool=True, key:str='vs_budget') -> str:
+    "The first reading in a word or two: 'pays' where the method beats both simple alternatives, training less at its work and random choice at its share (the plain model at a smaller batch), each by a one-sided test; 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'no verdict (bend)', 'no verdict (no random control)', 'never filtered', or why there is no reading"
     if r.get('never_filtered'): return 'never filtered'
     if not has_budgets: return 'no verdict (no other plain schedule)'
-    if not r.get('vs_budget'): return 'no verdict (work outside the plain schedules)'
-    return _PAYS[r['vs_budget']['verdict']]
+    if not r.get(key): return 'no verdict (work outside the plain schedules)'   # `key`: 'vs_budget' reads work, 'vs_budget_s' seconds
+    word = _PAYS[r[key]['verdict']]
+    if word != 'pays': return word
+    if judged_method(r['method']).name in BLIND: return 'no gain shown'   # random choice is the plain model at a smaller batch: nothing to gain
+    rand = r.get('vs_random_work') or r.get('vs_random')   # random choice at equal work where it was run, else at its share (less work)
+    if rand is None: return 'no verdict (no random control)'
+    return word if rand['verdict'] == 'beats' else 'no gain shown'   # a user can shrink the batch without the package: both must be beaten
 
 def equal_work_text(v:dict, unit:str='points') -> str:
     "The first reading in words: the difference at equal work against training less, and the same as a work multiplier"
@@ -396,6 +463,7 @@ def equal_work_text(v:dict, unit:str='points') -> str:
     if v.get('x') is not None:
         ci = f", {pct_text(v['level'])} CI {mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else ''
         s += f"; training less needs {mult_text(v['x'], v['x_censored'])} its work to match it{ci}"
+    if v.get('best_by'): s += f", random choice at a share (the stronger alternative there) {mult_text(v['best_x'], v['best_x_censored'])}"
     return s
 
 def bend_text(v:dict, unit:str='points') -> str:
@@ -427,14 +495,12 @@ def payoff_line(r:dict, has_budgets:bool=True) -> str:
     if word == 'no verdict (bend)': return f"{m}: {bend_text(v, unit)}{tail}"
     if word.startswith('no verdict'):
         return f"{m}: no verdict from {seeds_text(v['n'])}: at equal work {diff_text(v['diff'], unit)} against training less; run 5 or more seeds for a test{tail}"
+    if word == 'no verdict (no random control)':
+        return f"{m}: no verdict: {equal_work_text(v, unit)}, but random choice at its share was not run, the other simple alternative{tail}"
     head = f"at {pct_text(a)} ({seeds_text(v['n'])})"
-    rand = r.get('vs_random')
-    why = ''
-    if rand and word == 'pays':
-        why = ("; but random choice at its share ends more accurate, so the gain is not its choice of examples" if rand['verdict'] == 'loses' else
-               "; not shown more accurate than random choice at its share" if rand['verdict'] != 'beats' else "; and it ends more accurate than random choice at its share")
+    why = f"; {_batch_note(r)}" if _batch_note(r) else ''
     plan = ''
-    if word == 'no gain shown' and v['diff'] > 0 and v.get('sd'):
+    if word == 'no gain shown' and v['diff'] > 0 and v.get('sd') and v['verdict'] != 'beats':   # a gain shown, but not over random choice: no more seeds help
         k = seeds_needed(v['diff'], v['sd'], a)
         plan = f"; a gain of this size at this spread needs about {k} seeds" if k else "; a gain of this size at this spread would need more than 100 seeds"
     return f"{m}: {word} {head}: {equal_work_text(v, unit)}{why}{plan}{tail}"
@@ -445,11 +511,23 @@ def target_cell(r:dict, has_budgets:bool=True) -> str:
     if not k or x is None: return f"missed ({k} of {n})" if not k else f"not read ({k} of {n})"
     return f"{'≤' if r.get('target_censored') else ''}{x:.2f}x ({k} of {n})"
 
-def _random_note(v:dict, unit:str) -> str:
+def _batch_note(r:dict) -> str:
+    "Why a method above training less still does not pay, or that it also beats random choice at its share: the plain model at a smaller batch; '' where neither applies"
+    v, rand, word = r.get('vs_budget') or {}, r.get('vs_random_work') or r.get('vs_random'), payoff_word(r)
+    what = f"random choice {'at equal work' if r.get('vs_random_work') else 'at its share'} (the plain model at a smaller batch)"
+    if word == 'pays': return f"and it ends above {what}"
+    if v.get('verdict') != 'beats': return ''
+    if judged_method(r['method']).name in BLIND:
+        return "but it is random choice itself: the plain model at a smaller batch, which a user gets without the package"
+    if rand is None: return ''
+    return (f"but {what} ends more accurate" if rand['verdict'] == 'loses' else
+            f"but it is not shown above {what}, which a user gets without the package")
+
+def _random_note(v:dict, unit:str, pays:bool=False, at:str='at its share') -> str:
     d = diff_text(v['diff'], unit)
-    if v['verdict'] == 'beats': return f"above random choice at its share ({d}): the gain is its choice of examples"
-    if v['verdict'] == 'loses': return f"below random choice at its share ({d}): its choice of examples does worse than chance"
-    return f"not shown above random choice at its share ({d}, {v['verdict']})"
+    if v['verdict'] == 'beats': return f"above random choice {at} ({d})" + (": the gain is its choice of examples" if pays else '')
+    if v['verdict'] == 'loses': return f"below random choice {at} ({d}): its choice of examples does worse than chance"
+    return f"not shown above random choice {at} ({d}, {v['verdict']})"
 
 def method_note(r:dict, has_budgets:bool=True) -> str:
     "One line on a method beside the verdict table: why it has no verdict, or what its controls add (random choice at its share, the model scoring itself, the plain model) and the seeds a gain of its size needs"
@@ -459,14 +537,22 @@ def method_note(r:dict, has_budgets:bool=True) -> str:
         return f"{m}: no verdict: training less was not run (`controls=True` runs it), so there is no plain curve to read at its work"
     if word == 'no verdict (work outside the plain schedules)': return f"{m}: no verdict: its work lies outside the plain schedules; add shorter or longer `budgets`"
     if word == 'no verdict (bend)': return f"{m}: {bend_text(r['vs_budget'], unit)}"
+    if word == 'no verdict (no random control)':
+        return f"{m}: no verdict: above training less at its work, but random choice at its share, the other simple alternative, was not run"
     if word.startswith('no verdict'): return f"{m}: one seed gives no verdict, however large the difference: the test needs the spread over seeds; run 5 or more"
     v, notes = r['vs_budget'], []
-    if r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit))
+    if word != 'pays' and (why := _batch_note(r)): notes.append(f"above training less at its work ({diff_text(v['diff'], unit)}), {why}")
+    elif r.get('vs_random_work'): notes.append(_random_note(r['vs_random_work'], unit, word == 'pays', 'at equal work'))
+    elif r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit, word == 'pays'))
+    if v.get('best_by'):
+        rm = judged_method(v['best_by'])
+        notes.append(f"the stronger alternative at its value is random choice of {rm.kw.get('keep', 1):.0%} of each batch"
+                     + (f" over {rm.run['epochs']} epochs" if 'epochs' in rm.run else ''))
     if r.get('vs_self'): notes.append(f"{points_text(r['vs_self'], 'the same filter scored by the model itself', unit)}")
     if (p := r.get('vs_plain')) and p.get('holds') is not None:
         notes.append(f"{diff_text(p['diff'], unit)} against the plain model's full schedule: {'shown' if p['holds'] else 'not shown'} to end no more "
                      f"than {diff_text(p['margin'], unit).lstrip('+')} below it")
-    if word == 'no gain shown' and v['diff'] > 0 and v.get('sd'):
+    if word == 'no gain shown' and v['diff'] > 0 and v.get('sd') and v['verdict'] != 'beats':   # a gain shown, but not over random choice: no more seeds help
         k = seeds_needed(v['diff'], v['sd'], a)
         notes.append(f"a gain of this size at this spread needs about {k} seeds to show" if k else "a gain of this size at this spread needs more than 100 seeds to show")
     return f"{m}: " + ('; '.join(notes) if notes else f"{word} at {pct_text(a)}")
@@ -493,12 +579,14 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
         if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
         s = f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {_to_target_words(r)}"
         if r.get('vs_budget'): s += f"; final value {equal_work_text(r['vs_budget'], unit)}"
-        for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'), ('vs_self', 'the same filter scored by the model itself')):
+        for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'), ('vs_random_work', 'random choice at equal work'),
+                        ('vs_self', 'the same filter scored by the model itself')):
             if r.get(k): s += f"; final value {points_text(r[k], what, unit)}"
         if r.get('vs_plain', {}).get('holds') is not None:
             s += f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within {diff_text(r['vs_plain']['margin'], unit).lstrip('+')} of the plain model"
         for c in control_of.get(m, []):
-            if c in by and c.startswith('baseline'): s += f"; {diff_text(r['final_accuracy'] - by[c]['final_accuracy'], unit)} against `{c}`, its rate raise without the selection (medians)"
+            if c in by and c.startswith('baseline') and 'same_work' not in judged_method(c).run:
+                s += f"; {diff_text(r['final_accuracy'] - by[c]['final_accuracy'], unit)} against `{c}`, its rate raise without the selection (medians)"
         out.append(s)
         wx, tx = r.get('work_x'), r.get('target_x')
         if base and wx and tx and abs(math.log(wx / tx)) > math.log(1.1) and r.get('work') and base.get('work'):

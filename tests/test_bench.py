@@ -111,7 +111,7 @@ def test_console_script_exits_zero(tmp_path):
     r = subprocess.run([str(script), '--data', 'digits', '--preset', 'quick', '--epochs', '1', '--bs', '128', '--methods', 'baseline blf', '--quiet',
                         '--out', str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert 'at equal work' in r.stdout and 'training less needs' in r.stdout and (tmp_path / 'results.json').exists()
+    assert 'at equal work' in r.stdout and 'an alternative needs' in r.stdout and 'in seconds' in r.stdout and (tmp_path / 'results.json').exists()
     assert 'torch.jit' not in r.stdout + r.stderr   # a dependency's deprecation warning a user cannot act on stays out of its first lines
     assert 'counted in operations' in r.stdout
     assert 'final_accuracy' in (tmp_path / 'table.txt').read_text() and str(tmp_path / 'table.txt') in r.stdout   # the wide table in its file
@@ -178,10 +178,11 @@ def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2 and saved['augment'] is False
     assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3', 'baseline:epochs=5']   # .6, .75, .9 and 1.25 of 4 epochs
     ctl = saved['controls']['random']
-    assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and ctl['stale'] == [ctl['stale'][0]]
+    assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and all('same_work=stale' in c for c in ctl['stale'][1:])
+    assert ctl['stale'][1] == 'baseline:same_work=stale'   # the plain model at its own work joins every method's controls
     assert ctl['stale'][0].startswith('random:keep=') and 'lr_scale' not in ctl['stale'][0]
     # hide raises the rate: its random control raises it too, and the plain baseline runs at its mean multiplier
-    hide_rand, hide_rate = ctl['hide:confidence=.2']
+    hide_rand, hide_rate = ctl['hide:confidence=.2'][:2]
     assert hide_rand.startswith('random:keep=') and hide_rand.endswith(',lr_scale=1') and hide_rate.startswith('baseline:lr_mult=')
     by = {r['method']: r for r in saved['summary']}
     assert set(by) == {'baseline', 'blf:skip_epochs=0', 'stale', 'hide:confidence=.2', 'baseline:epochs=2', 'baseline:epochs=3', 'baseline:epochs=5',
@@ -466,7 +467,7 @@ def test_the_main_job_ends_with_an_answer(tmp_path):
     row = out.splitlines()[1].split()
     assert row[0] == 'blf' and ' '.join(row[1:4]).startswith(('pays', 'no gain shown', 'does not pay')), out   # a reading, not "no verdict"
     assert out.count('method  verdict') == 1 and sum(l.startswith('blf:') for l in out.splitlines()) == 1 and ' - ' not in out
-    assert '2 fits at a time' in r.stdout and len((tmp_path / 'runs.jsonl').read_text().splitlines()) == 3 * 7   # methods, 4 schedules, a control
+    assert '2 fits at a time' in r.stdout and len((tmp_path / 'runs.jsonl').read_text().splitlines()) == 3 * 8   # methods, 4 schedules, a control, the plain model at its work
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a GPU')
 def test_profile_on_a_gpu_moves_the_model_to_the_batches(tmp_path):

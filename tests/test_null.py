@@ -30,8 +30,8 @@ def plain_shapes():
 @pytest.fixture(scope='module')
 def shapes(): return plain_shapes()
 
-def simulate(shapes, n_seeds:int, noise:float, method_epochs:int, rng:random.Random) -> list:
-    "Runs of every plain schedule, and of a method that is the plain schedule of `method_epochs` under another name, for `n_seeds` seeds: each check about the mean curve, the final value with the spread the saved runs show (`noise` times it)"
+def simulate(shapes, n_seeds:int, noise:float, method_epochs:int, rng:random.Random, same_work:list|bool=False) -> list:
+    "Runs of every plain schedule, and of a method that is the plain schedule of `method_epochs` under another name, for `n_seeds` seeds: each check about the mean curve, the final value with the spread the saved runs show (`noise` times it); with `same_work`, the method's two alternatives at its own work too (`with_same_work`)"
     curve, works, seed_sd, eval_sd, run_sd = shapes
     runs = []
     for seed in range(n_seeds):
@@ -40,8 +40,26 @@ def simulate(shapes, n_seeds:int, noise:float, method_epochs:int, rng:random.Ran
             acc = [c + off + rng.gauss(0, noise * eval_sd) for c in curve[e][:-1]] + [curve[e][-1] + off + rng.gauss(0, noise * run_sd)]
             hist = [dict(accuracy=a, work=w, train_s=w, samp_perc=1.) for a, w in zip(acc, works[e])]
             runs.append(dict(method=name, epochs=e, seed=seed, repeat=0, train_s=works[e][-1], wall_s=works[e][-1], work=works[e][-1],
-                             final_accuracy=acc[-1], mean_samp_perc=.9, history=hist))
-    return runs
+                             final_accuracy=acc[-1], mean_samp_perc=.9, history=hist, offset=off))
+    return with_same_work(shapes, runs, noise, rng, SAME if same_work is True else same_work) if same_work else runs
+
+SAME = ['baseline:same_work=blf', 'random_batch:keep=0.800,same_work=blf']   # the plain model and random choice at the method's own work
+RANDOM = SAME[1:]   # random choice alone: the plain model is read on the curve of its schedules
+
+def with_same_work(shapes, runs:list, noise:float, rng:random.Random, names:list=SAME) -> list:
+    "Add, for each of the method's runs, the plain model trained for exactly its work and random choice at equal work: each the plain curve's final value there (between schedules, on the line between their means), the seed's offset, a run's own noise"
+    curve, works, _, _, run_sd = shapes
+    pts = sorted((works[e][-1], curve[e][-1]) for e in PLAIN)
+    def at(w):
+        w = min(max(w, pts[0][0]), pts[-1][0])
+        (w0, a0), (w1, a1) = next((p, q) for p, q in zip(pts, pts[1:]) if p[0] <= w <= q[0])
+        return a0 + (a1 - a0) * (w - w0) / (w1 - w0)
+    out = list(runs)
+    for r in (r for r in runs if r['method'] == 'blf'):
+        for name in names:
+            acc = at(r['work']) + r['offset'] + rng.gauss(0, noise * run_sd)
+            out.append(dict(r, method=name, final_accuracy=acc, history=[dict(r['history'][-1], accuracy=acc)]))
+    return out
 
 @pytest.mark.parametrize('n_seeds', [3, 5])
 @pytest.mark.parametrize('noise', [1., 2.5])
@@ -50,18 +68,18 @@ def test_pays_at_most_at_its_level_for_a_method_equal_to_training_less(shapes, n
     budgets = [m for e, m in PLAIN.items() if e != 9]
     pays = 0
     for i in range(draws):
-        cmp = judge(simulate(shapes, n_seeds, noise, 7 + i % 2, rng), budgets, {'blf': []}, dict(alpha=alpha))
+        cmp = judge(simulate(shapes, n_seeds, noise, 7 + i % 2, rng, RANDOM), budgets, {'blf': RANDOM}, dict(alpha=alpha))
         pays += payoff_word(next(r for r in cmp.rows if r['method'] == 'blf'), True) == 'pays'
     assert pays / draws <= alpha + 3 * math.sqrt(alpha * (1 - alpha) / draws), (pays, draws)
 
-def _saving(shapes, n_seeds:int, rng:random.Random, saving:float=1.5) -> list:
-    "Runs of every plain schedule, and of a method that reaches the full schedule's curve with 1/`saving` of its work"
+def _saving(shapes, n_seeds:int, rng:random.Random, saving:float=1.5, same_work:list|bool=False) -> list:
+    "Runs of every plain schedule, and of a method that reaches the full schedule's curve with 1/`saving` of its work; with `same_work`, its two alternatives at that work"
     runs = simulate(shapes, n_seeds, 1., 9, rng)
     for r in runs:
         if r['method'] == 'blf':
             r['work'] = r['train_s'] = r['work'] / saving
             for h in r['history']: h['work'] = h['train_s'] = h['work'] / saving
-    return runs
+    return with_same_work(shapes, runs, 1., rng, SAME if same_work is True else same_work) if same_work else runs
 
 def _blf(cmp): return next(r for r in cmp.rows if r['method'] == 'blf')
 
@@ -70,8 +88,33 @@ def test_a_real_saving_is_shown_more_often_with_more_seeds(shapes):
     budgets, rates = [m for e, m in PLAIN.items() if e != 9], {}
     for n in (5, 8, 12):
         rng, draws = random.Random(n), 200
-        rates[n] = sum(payoff_word(_blf(judge(_saving(shapes, n, rng), budgets, {'blf': []}, dict(alpha=.05)))) == 'pays' for _ in range(draws)) / draws
+        rates[n] = sum(payoff_word(_blf(judge(_saving(shapes, n, rng, same_work=RANDOM), budgets, {'blf': RANDOM}, dict(alpha=.05)))) == 'pays'
+                       for _ in range(draws)) / draws
     assert rates[5] < rates[8] < rates[12] and rates[12] >= .7, rates
+
+@pytest.mark.parametrize('n_seeds', [3, 5])
+def test_pays_at_most_at_its_level_against_the_alternatives_at_its_own_work(shapes, n_seeds):
+    "The method is a plain schedule under another name, and its two alternatives (the plain model and random choice at its work) end where it does: 'pays' at most at the level"
+    rng, draws, alpha = random.Random(n_seeds), 400, .05
+    budgets = [m for e, m in PLAIN.items() if e != 9]
+    pays = sum(payoff_word(_blf(judge(simulate(shapes, n_seeds, 1., 7 + i % 2, rng, same_work=True), budgets, {'blf': SAME}, dict(alpha=alpha))))
+               == 'pays' for i in range(draws))
+    assert pays / draws <= alpha + 3 * math.sqrt(alpha * (1 - alpha) / draws), (pays, draws)
+
+def test_a_real_saving_is_shown_at_8_seeds_against_the_alternatives_at_its_work(shapes):
+    "A true 1.5x saving on the long preset's curves (its work in the two-epoch gap from 5 to 7 epochs), judged against the plain model and random choice run at its own work: no line is read across the bend, so 8 seeds show it at least 70% of the time"
+    budgets, rng, draws = [m for e, m in PLAIN.items() if e != 9], random.Random(8), 200
+    rows = [_blf(judge(_saving(shapes, 8, rng, same_work=True), budgets, {'blf': SAME}, dict(alpha=.05))) for _ in range(draws)]
+    assert all(r['vs_budget']['how'] == 'same work' and r['vs_budget']['bend'] == 0 for r in rows)
+    assert sum(payoff_word(r) == 'pays' for r in rows) / draws >= .7
+
+def test_a_method_that_only_shrinks_the_batch_shows_no_gain(shapes):
+    "Random choice of half of each batch, above the plain curve at its work (a smaller batch, as a user can train without the package), judged as a method: never 'pays'"
+    runs = _saving(shapes, 8, random.Random(1))
+    for r in runs:
+        if r['method'] == 'blf': r['method'] = 'random_batch:keep=.5'
+    row = next(r for r in judge(runs, [m for e, m in PLAIN.items() if e != 9], {}, dict(alpha=.05)).rows if r['method'] == 'random_batch:keep=.5')
+    assert row['vs_budget']['verdict'] == 'beats' and payoff_word(row) == 'no gain shown'
 
 def test_the_first_readings_intervals_cover_at_their_level(shapes):
     "The 90% interval of the difference at equal work holds the true one (the full schedule's curve over the curve at the method's work), and the multiplier's the true 1.5x"

@@ -88,7 +88,7 @@ def test_payoff_line_states_level_and_seeds():
     line = payoff_line(r, True)
     assert line.startswith('stale: pays at 5% (5 seeds): +') and 'against training less at equal work, 90% CI' in line, line
     assert 'the cheapest plain schedule needed 1.31x its work, 90% CI' in line   # the second reading, beside
-    assert 'and it ends more accurate than random choice at its share' in line   # .9 against .89 in every seed
+    assert 'and it ends above random choice at its share (the plain model at a smaller batch)' in line   # .9 against .89 in every seed
     assert payoff_line(_judged([1.3, 1.35, 1.28, 1.32, 1.31], alpha=.1), True).startswith('stale: pays at 10% (5 seeds)')
 
 def test_a_gain_the_bend_could_explain_gives_no_verdict():
@@ -102,6 +102,21 @@ def test_a_gain_the_bend_could_explain_gives_no_verdict():
     assert v['bend'] == pytest.approx(.9 - .02 * (3 - v['work']) - (.85 + .05 * (v['work'] - 2)))   # the 3-4 chord carried back, less the line
     assert 0 < v['lo'] <= v['bend'] and payoff_word(r) == 'no verdict (bend)'
     assert 'could lie up to +2.' in method_note(r) and 'add a plain schedule near its work' in method_note(r)
+
+def test_a_method_random_choice_at_its_share_matches_does_not_pay():
+    "Above training less at equal work, but level with random choice at its share (the plain model at a smaller batch, which needs no package): no gain shown, and said why"
+    runs = []
+    for s, last in enumerate([.9, .91, .9, .905, .9]):   # the method and its random control end alike, both above the plain curve at their work
+        runs += [_run('baseline', s, [.7, .8, .9]), _run('baseline:epochs=2', s, [.75, .85]), _run('baseline:epochs=4', s, [.7, .8, .9, .95]),
+                 _run('stale', s, [.8, .85, last], 1 / 1.3), _run('random:keep=.5', s, [.8, .85, last + (.002, 0.)[s % 2]], 1 / 1.3)]
+    rows, target = summarise(runs, target=.9)
+    add_verdicts(rows, ['baseline:epochs=2', 'baseline:epochs=4'], {'stale': ['random:keep=.5']}, 5, target, runs=runs)
+    r = next(r for r in rows if r['method'] == 'stale')
+    assert r['vs_budget']['verdict'] == 'beats' and r['vs_random']['verdict'] != 'beats' and payoff_word(r) == 'no gain shown'
+    assert 'random choice at its share (the plain model at a smaller batch)' in payoff_line(r) and 'above training less' in method_note(r)
+    assert r['vs_budget']['best_by'] == 'random:keep=.5' and r['vs_budget']['best_x'] == pytest.approx(1., abs=.02)   # the better alternative: level with it
+    del r['vs_random']   # no random control run: the other alternative is missing, so no verdict, not "pays"
+    assert payoff_word(r) == 'no verdict (no random control)'
 
 def test_too_few_seeds_say_how_many_would():
     r = _judged([1.2] * 3, finals=[.885, .871, .881])   # the curve at 2.5 plain epochs is .875: +0.4 points, spread 0.7

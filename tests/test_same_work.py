@@ -1,0 +1,57 @@
+"The simple alternatives at a method's own work, trained: the plain model on one schedule cut to a run's work, random choice at equal work, and seconds read only where the runs shared one sitting."
+import pytest
+from fastai.basics import Learner, CrossEntropyLossFlat
+from fastai.metrics import accuracy
+from loss_filters.runs import run_fit
+from loss_filters.compare import compare_filters, judge
+from loss_filters.verdicts import same_work_controls, same_work_of, seconds_unread
+from conftest import make_dls, mlp
+
+@pytest.fixture(scope='module')
+def make(digits):
+    "A Learner factory on the digits: 1,347 training images at bs 64 (`drop_last`: 21 batches, 1,344 examples an epoch)"
+    dls = make_dls(*digits, bs=64)
+    return lambda: Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+
+def test_a_schedule_cut_to_a_runs_work_trains_that_work_on_one_cycle(make):
+    full = run_fit(make, 'baseline', epochs=3, lr=1e-2, seed=1)
+    pe = full['plain_epoch']
+    cut = run_fit(make, 'baseline:same_work=blf', epochs=3, lr=1e-2, seed=1, examples=round(2.5 * pe))
+    assert cut['trained'] == round(2.5 * pe / 64) * 64 and cut['epochs'] == 3   # whole batches, the third epoch cut short
+    assert [h['epoch'] for h in cut['history']] == [1, 2, 3] and cut['history'][-1]['trained'] == cut['trained']   # the cut epoch validated too
+    same = run_fit(make, 'baseline:same_work=blf', epochs=3, lr=1e-2, seed=1, examples=3 * pe)   # a plain run's whole work: that run again
+    assert same['final_accuracy'] == full['final_accuracy'] and same['trained'] == full['trained']
+
+def test_a_cut_schedule_ends_its_one_cycle_at_its_last_batch(make):
+    from loss_filters.runs import CutSchedule
+    learn = make()
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2, cbs=CutSchedule(30))
+    lrs = learn.recorder.lrs
+    assert learn.train_iter == 30 and len(lrs) == 30 and len(learn.recorder.values) == 2
+    assert max(lrs) == pytest.approx(1e-2, rel=.02) and lrs[-1] < 1e-2 / 100   # warmed up to the peak and annealed, over 30 batches, not 42
+
+def test_the_alternatives_at_a_methods_work_are_named_from_its_runs():
+    runs = [dict(method='topk:keep=.3,epochs=4', work=w, epochs=4) for w in (2.0, 2.4)]
+    plain, rand = same_work_controls('topk:keep=.3,epochs=4', runs)
+    assert plain == 'baseline:same_work=topk/keep=.3+epochs=4' and rand == 'random_batch:keep=0.550,epochs=4,same_work=topk/keep=.3+epochs=4'
+    assert same_work_of('topk:keep=.3,epochs=4', ['x', rand, plain]) == (plain, rand)
+    assert same_work_controls('blf', [dict(method='blf', work=5.2, epochs=5)]) == ['baseline:same_work=blf']   # more work than its steps' full batches
+    assert same_work_controls('random_batch:keep=.5', [dict(method='random_batch:keep=.5', work=2., epochs=4)]) == []   # random choice is the alternative
+
+def test_the_plan_trains_each_methods_alternatives_at_its_own_work(make):
+    cmp = compare_filters(make, 'baseline topk:keep=.3', epochs=3, lr=1e-2, seeds=2, budgets='.67 1.33', show_progress=False, warmup=False)
+    plain, rand = same_work_of('topk:keep=.3', cmp.control_of['topk:keep=.3'])
+    assert plain == 'baseline:same_work=topk/keep=.3' and rand.startswith('random_batch:keep=0.')
+    by = {(r['method'], r['seed']): r for r in cmp.runs}
+    for sd in (0, 1):   # each seed's plain run spends that seed's work of the method, to a batch
+        assert abs(by[plain, sd]['work'] - by['topk:keep=.3', sd]['work']) <= 64 / by[plain, sd]['plain_epoch'] / 2 + 1e-9
+        assert by[rand, sd]['epochs'] == 3 and by[rand, sd]['scored'] == 0   # random choice at equal work: no scoring pass, its steps
+    row = next(r for r in cmp.rows if r['method'] == 'topk:keep=.3')
+    assert row['vs_budget']['how'] == 'same work' and row['vs_budget']['bend'] == 0 and row['vs_random_work']['control'] == rand
+    assert row.get('vs_budget_s') is not None and 'in seconds' in repr(cmp)   # one sitting: its seconds are read
+
+def test_seconds_are_read_only_from_one_sitting_on_one_thread_count():
+    run = lambda **kw: dict(method='baseline', seed=0, sitting='a', threads=1) | kw
+    assert seconds_unread([run(), run(seed=1)]) is None
+    assert 'sittings' in seconds_unread([run(), run(sitting='b')]) and 'thread counts' in seconds_unread([run(), run(threads=2)])
+    assert 'saved without' in seconds_unread([run(), dict(method='blf', seed=0)])
