@@ -9,14 +9,14 @@ from functools import partial
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
-from fastai.basics import Learner, Callback, CancelFitException
+from fastai.basics import Learner
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
 from .base import LossFilterBase
-from .runs import (parse_method, judged_method, metric_sign, run_fit, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
-                               seeded_proxy, StopAfter, BLIND)
+from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
+                               seeded_proxy, BLIND)
 from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control, same_work_controls, work_slug,
-                                   best_plain, verdict_lines, payoff_line, payoff_word, payoff_test, seeds_text, format_table, ci_text, ci_level, ratio_text, pct_text,
+                                   best_plain, verdict_lines, payoff_line, payoff_word, seeds_text, format_table, ci_text, ci_level, pct_text,
                                    mult_text, diff_text, knee_target, target_cell, method_note)
 from .plots import budget_figure, time_figure, save_figure, plot_colors, metric_label
 from .plan import Fit, comparison_plan, run_plan, train_fit, check_executor, default_threads, executor_workers
@@ -221,19 +221,28 @@ def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, 
         except (TypeError, ValueError): v = None
         if v is None or not 0 < v <= 4 or v == 1:
             raise ValueError(f"`budgets` must be shares of the epochs in (0, 4], other than 1 (below 1: training less; above: longer plain schedules), "
-                             f"as a string ('.6 .75 .9 1.25') or a list, got {f!r}")
+                             f"as a string ('.6 .8 1.2 1.4') or a list, got {f!r}")
     if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
     if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
         raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
     if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
         raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
 
-def _warn_coarse_target(metric:str, target_drop:float, n_valid:int):
-    "Warn when the default target sits less than one validation example below the plain model's final value of a share metric (accuracy, error rate)"
-    if not any(w in metric.lower() for w in ('accuracy', 'error')) or not n_valid or target_drop >= 1 / n_valid: return
-    warnings.warn(f"`target_drop`={target_drop:g} is finer than one of the {n_valid} validation examples ({1 / n_valid:.4f} of `{metric}`): "
-                  f"the target is then the plain model's final value less a fraction of an example, which noise crosses early; "
-                  f"pass `target_drop` of at least {1 / n_valid:.4f}, or more validation data", stacklevel=3)
+def _target_drop(metric:str, target_drop:float|None, n_valid:int) -> float|None:
+    "`target_drop` as given; a warning where the user asked for less than one validation example's share of a share metric (accuracy, error rate), none for the default (the second reading's target, never a verdict, and `reference_seeds` fix a better one)"
+    if target_drop is None or not any(w in metric.lower() for w in ('accuracy', 'error')) or not n_valid: return target_drop
+    if target_drop < 1 / n_valid:
+        warnings.warn(f"`target_drop`={target_drop:g} is finer than one of the {n_valid} validation examples ({1 / n_valid:.4f} of `{metric}`): "
+                      f"the target is then the plain model's final value less a fraction of an example, which noise crosses early; "
+                      f"pass `target_drop` of at least {1 / n_valid:.4f}, or more validation data", stacklevel=3)
+    return target_drop
+
+def _warn_no_verdict(seeds:int, repeats:int, controls:bool):
+    "Warn before anything trains when the comparison can give no verdict: one seed (the tests need the spread over seeds), or no controls"
+    if not controls: warnings.warn("`controls=False`: no plain schedule and no random choice are trained, so no method can be judged; the runs and "
+                                   "their figures only", stacklevel=3)
+    elif seeds < 2: warnings.warn(f"`seeds=1`: one seed gives no verdict, however large a difference (the tests need the spread over seeds"
+                                  f"{', and repeats of a seed are averaged first' if repeats > 1 else ''}); pass 5 or more", stacklevel=3)
 
 # %% ../nbs/11_compare.ipynb #7254583b
 _RUN_KEYS = ('epochs', 'lr', 'metric', 'sign', 'evals_per_epoch', 'score_cost')
@@ -355,7 +364,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
                     seed:int=0, # the first seed
                     controls:bool=True, # also train less (`budgets`), choose at random at each method's share, and the rate controls
-                    budgets:str|list='.6 .75 .9 1.25', # shares of `epochs` for the other plain schedules: below 1 training less, above 1 longer (so the plain curve reaches past the full schedule)
+                    budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules: below 1 training less, above 1 longer (so the plain curve reaches past the full schedule)
                     fit=None, # `fit(learn, epochs, lr)`; default `learn.fit_one_cycle(epochs, lr)`
                     metric:str|None=None, # the Recorder's name of the metric the target is on; default the Learner's first metric
                     lower_is_better:bool|None=None, # whether lower is better for `metric`; guessed from its name when None
@@ -388,7 +397,8 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     plain = _plain_schedules(epochs, budgets) if controls else []
     metric, probe = _check_factory(make_learner, metric)
     check_executor(executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
-    if target is None and not reference_seeds: _warn_coarse_target(metric, .002 if target_drop is None else target_drop, len(probe.dls.valid_ds))
+    if target is None and not reference_seeds: target_drop = _target_drop(metric, target_drop, len(probe.dls.valid_ds))
+    _warn_no_verdict(seeds, repeats, controls)
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
                     evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha, work=work,

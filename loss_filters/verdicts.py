@@ -7,7 +7,7 @@ from __future__ import annotations
 import math, statistics
 from .batch import LossFilterCallback, RandomBatchCallback
 from .sampler import SamplerPruningCallback, RandomPruningCallback
-from .runs import parse_method, judged_method, time_to_target, RetiredMethod, BLIND
+from .runs import judged_method, time_to_target, RetiredMethod, BLIND
 from .stats import paired_test, curve_test, shown, seeds_needed
 
 # %% auto #0

@@ -51,8 +51,8 @@ def test_the_time_estimate_says_what_it_counts():
 
 def test_a_target_finer_than_one_validation_example_is_warned(dls):
     make = lambda: Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
-    with pytest.warns(UserWarning, match='finer than one of the 450 validation examples'):
-        compare_filters(make, 'baseline', epochs=1, seeds=1, controls=False, show_progress=False)
+    with pytest.warns(UserWarning, match='finer than one of the 450 validation examples'):   # asked for
+        compare_filters(make, 'baseline', epochs=1, seeds=1, controls=False, show_progress=False, target_drop=.001)
 
 def test_the_comparisons_figure_is_one_picture_a_reader_can_read(err_cmp):
     import matplotlib; matplotlib.use('Agg')
@@ -73,3 +73,34 @@ def test_short_labels_say_the_controls_in_words():
     from loss_filters.plots import short_label
     assert short_label('random_batch:keep=0.557,start=0,end=1,interrupt=0,skip_epochs=1,fill_batch=0') == 'random choice, keep 0.56'
     assert short_label('baseline:epochs=7') == 'plain, 7 epochs' and short_label('blf:proxy=.25') == 'blf:proxy=.25'
+
+def test_the_defaults_agree_with_each_other():
+    "The default `budgets` give four distinct plain schedules at the default 5 epochs, without a warning"
+    import inspect, warnings
+    from loss_filters.compare import _plain_schedules
+    budgets, epochs = (inspect.signature(compare_filters).parameters[k].default for k in ('budgets', 'epochs'))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert _plain_schedules(epochs, budgets) == ['baseline:epochs=3', 'baseline:epochs=4', 'baseline:epochs=6', 'baseline:epochs=7']
+
+def test_a_default_target_says_nothing_a_finer_one_asked_for_warns(dls):
+    "Left to its default, the target's distance brings no warning for a setting the user never passed; asked finer than one validation example, it warns"
+    import warnings
+    from loss_filters.compare import _target_drop
+    n = len(dls.valid_ds)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert _target_drop('accuracy', None, n) is None and _target_drop('accuracy', 2 / n, n) == 2 / n
+    with pytest.warns(UserWarning, match='finer than one of the'): assert _target_drop('accuracy', .001, n) == .001
+
+def test_a_comparison_that_cannot_give_a_verdict_says_so_before_it_trains(dls):
+    "One seed, or no controls: the warning comes before the first fit"
+    trained = []
+    def make():
+        trained.append(1)
+        return Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+    class Stop(Exception): pass
+    def on_run(*a): raise Stop   # before the first fit is handed over
+    for kw, words in ((dict(seeds=1), 'one seed gives no verdict'), (dict(seeds=2, controls=False), 'no method can be judged')):
+        with pytest.warns(UserWarning, match=words), pytest.raises(Stop):
+            compare_filters(make, 'baseline blf', epochs=2, budgets='.5 1.5', show_progress=False, warmup=False, on_run=on_run, **kw)

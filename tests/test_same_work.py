@@ -48,7 +48,24 @@ def test_the_plan_trains_each_methods_alternatives_at_its_own_work(make):
         assert by[rand, sd]['epochs'] == 3 and by[rand, sd]['scored'] == 0   # random choice at equal work: no scoring pass, its steps
     row = next(r for r in cmp.rows if r['method'] == 'topk:keep=.3')
     assert row['vs_budget']['how'] == 'same work' and row['vs_budget']['bend'] == 0 and row['vs_random_work']['control'] == rand
-    assert row.get('vs_budget_s') is not None and 'in seconds' in repr(cmp)   # one sitting: its seconds are read
+    assert seconds_unread(cmp.runs) is None and 'in seconds' in repr(cmp)   # one sitting: its seconds can be read (where they fall on the plain curve)
+
+def _made_up(method, seed, final, work, secs, sitting='a'):
+    return dict(method=method, seed=seed, repeat=0, epochs=3, train_s=secs, wall_s=secs, work=work, final_accuracy=final, mean_samp_perc=.7,
+                lr_mult=1., sitting=sitting, threads=1, history=[dict(accuracy=final, work=work, train_s=secs, samp_perc=1.)])
+
+def test_the_first_reading_in_seconds_reads_each_fits_own_seconds():
+    "A method level with the plain curve in work but faster per unit of work: at equal seconds it is above the plain curve, and training less needs more seconds than it took"
+    runs = []
+    for s, e in enumerate((-.001, 0., .001)):
+        runs += [_made_up('baseline', s, .9 + e, 3., 30.), _made_up('baseline:epochs=2', s, .85 + e, 2., 20.), _made_up('baseline:epochs=4', s, .92 + e, 4., 40.),
+                 _made_up('blf', s, .875 + e, 2.5, 20.)]   # the plain curve's value at its work, in the seconds of 2 plain epochs
+    row = next(r for r in judge(runs, ['baseline:epochs=2', 'baseline:epochs=4'], {}, dict(alpha=.05)).rows if r['method'] == 'blf')
+    assert row['vs_budget']['diff'] == pytest.approx(0, abs=1e-9) and row['vs_budget']['x'] == pytest.approx(1.)
+    assert row['vs_budget_s']['diff'] == pytest.approx(.025) and row['vs_budget_s']['x'] == pytest.approx(25 / 20)
+    mixed = [dict(r, sitting='b') if r['method'] == 'blf' else r for r in runs]   # the method trained in another sitting: not read in seconds
+    row = next(r for r in judge(mixed, ['baseline:epochs=2', 'baseline:epochs=4'], {}, dict(alpha=.05)).rows if r['method'] == 'blf')
+    assert 'vs_budget_s' not in row and 'sittings' in row['seconds_unread']
 
 def test_seconds_are_read_only_from_one_sitting_on_one_thread_count():
     run = lambda **kw: dict(method='baseline', seed=0, sitting='a', threads=1) | kw
