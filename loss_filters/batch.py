@@ -122,7 +122,7 @@ class LossFilterCallback(LossFilterBase):
         store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision,score_model,train_every')
         self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
         self.proxy = None      # the `ProxyScorer` of `score_model`, made at the first fit
-        self._px_rows, self._px_events, self._px_fill_steps = None, set(), 0   # the proxy's rows of this step; the step's events; `fill_batch` steps
+        self._px_rows, self._px_events, self._px_fill_steps, self._px_learns = None, set(), 0, False   # the proxy's rows of this step; the step's events; `fill_batch` steps; whether it learns the kept rows
 
     def select(self, scores:Tensor) -> Tensor:
         "Indices of the examples to train on, from their per-example `scores`"
@@ -164,13 +164,14 @@ class LossFilterCallback(LossFilterBase):
         return self.proxy.n_scored - self.fit_proxy[0], self.proxy.n_trained - self.fit_proxy[1]
 
     def _proxy_rows(self, idxs:Tensor|None) -> Tensor|None:
-        "The proxy's losses, with their graph, of the rows the model trains on (`idxs`; None: the whole batch, scored now), if the proxy learns this batch"
+        "The proxy's losses, with their graph, of the rows the model trains on, if the proxy learns this batch: a forward of its own on the kept rows `idxs` (the batch was scored without a graph), or the whole batch's (None, scored now)"
         px = self.proxy
         if idxs is None:
             if self.fill_batch or not px.due: px.skip(); return None
             px.score(self.learn.xb, self.learn.yb)
-        g = px.pop_graph()
-        return g if g is None or idxs is None else g[idxs.to(g.device)]
+            return px.pop_graph()
+        learns, self._px_learns = self._px_learns, False
+        return px.forward(take(self.learn.xb, idxs), take(self.learn.yb, idxs)) if learns else None
 
     def _proxy_fill_rows(self) -> Tensor|None:
         "With `fill_batch`, every `train_every`-th step the proxy learns the step's own rows (pooled from several batches), by a forward of its own"
@@ -244,8 +245,9 @@ class LossFilterCallback(LossFilterBase):
     def score_batch(self) -> tuple:
         "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace (`score_examples`), or from the proxy"
         learn = self.learn
-        if self.proxy is not None:   # with `fill_batch` no graph: the proxy learns a step's rows when the model trains them
-            losses = self.proxy.score(learn.xb, learn.yb, graph=False if self.fill_batch else None)
+        if self.proxy is not None:   # no graph: the proxy learns the rows the model trains on by a forward of its own on them, half the backward
+            self._px_learns = self.proxy.due and not self.fill_batch   # read before `score` counts the batch
+            losses = self.proxy.score(learn.xb, learn.yb, graph=False)
             return losses, losses
         losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
                                         after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))

@@ -60,7 +60,7 @@ def test_each_method_spec_is_parsed_once_and_passed_along(monkeypatch):
     monkeypatch.setattr(runs_mod, '_parse', functools.lru_cache(maxsize=None)(counted))
     cmp = compare_filters(tab_learner, 'baseline blf:skip_epochs=0', epochs=2, lr=1e-2, seeds=2, show_progress=False)
     methods = {r['method'] for r in cmp.runs}
-    assert len(methods) == 5 and methods <= set(seen) and set(seen.values()) == {1}   # with the plain model at the method's own work
+    assert 5 <= len(methods) <= 6 and methods <= set(seen) and set(seen.values()) == {1}   # the plain model at the method's work, and random choice there where its batch is smaller
     m = runs_mod.parse_method('blf:skip_epochs=0')
     assert m.name == 'blf' and m.filters and m.epochs(7) == 7 and runs_mod.parse_method(m) is m and str(m) == 'blf:skip_epochs=0'
     with pytest.raises(TypeError): m.kw['skip_epochs'] = 1   # read-only: one parsed value shared by every reader
