@@ -446,7 +446,7 @@ _PAYS = {'beats': 'pays', 'loses': 'does not pay', 'no difference shown': 'no ga
          'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)', 'within the bend': 'no verdict (bend)'}
 
 def payoff_word(r:dict, has_budgets:bool=True, key:str='vs_budget') -> str:
-    "The first reading in a word or two: 'pays' where the method beats both simple alternatives, training less at its work and random choice at its share (the plain model at a smaller batch), each by a one-sided test; 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'no verdict (bend)', 'no verdict (no random control)', 'never filtered', or why there is no reading"
+    "The first reading in a word or two: 'pays' where the method beats both simple alternatives, training less at its work and random choice (the plain model at a smaller batch: at equal work where it was run, else at its share), each by a one-sided test; 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'no verdict (bend)', 'no verdict (no random control)', 'never filtered', or why there is no reading"
     if r.get('never_filtered'): return 'never filtered'
     if not has_budgets: return 'no verdict (no other plain schedule)'
     if not r.get(key): return 'no verdict (work outside the plain schedules)'   # `key`: 'vs_budget' reads work, 'vs_budget_s' seconds
@@ -493,10 +493,10 @@ def payoff_line(r:dict, has_budgets:bool=True) -> str:
     if word == 'no verdict (work outside the plain schedules)':
         return f"{m}: no verdict: its work lies outside the plain schedules' range (add shorter or longer budgets){tail}"
     if word == 'no verdict (bend)': return f"{m}: {bend_text(v, unit)}{tail}"
-    if word.startswith('no verdict'):
-        return f"{m}: no verdict from {seeds_text(v['n'])}: at equal work {diff_text(v['diff'], unit)} against training less; run 5 or more seeds for a test{tail}"
     if word == 'no verdict (no random control)':
         return f"{m}: no verdict: {equal_work_text(v, unit)}, but random choice at its share was not run, the other simple alternative{tail}"
+    if word.startswith('no verdict'):
+        return f"{m}: no verdict from {seeds_text(v['n'])}: at equal work {diff_text(v['diff'], unit)} against training less; run 5 or more seeds for a test{tail}"
     head = f"at {pct_text(a)} ({seeds_text(v['n'])})"
     why = f"; {_batch_note(r)}" if _batch_note(r) else ''
     plan = ''

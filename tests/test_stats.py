@@ -116,7 +116,7 @@ def test_a_method_random_choice_at_its_share_matches_does_not_pay():
     assert 'random choice at its share (the plain model at a smaller batch)' in payoff_line(r) and 'above training less' in method_note(r)
     assert r['vs_budget']['best_by'] == 'random:keep=.5' and r['vs_budget']['best_x'] == pytest.approx(1., abs=.02)   # the better alternative: level with it
     del r['vs_random']   # no random control run: the other alternative is missing, so no verdict, not "pays"
-    assert payoff_word(r) == 'no verdict (no random control)'
+    assert payoff_word(r) == 'no verdict (no random control)' and 'random choice at its share was not run' in payoff_line(r)
 
 def test_too_few_seeds_say_how_many_would():
     r = _judged([1.2] * 3, finals=[.885, .871, .881])   # the curve at 2.5 plain epochs is .875: +0.4 points, spread 0.7
