@@ -5,7 +5,9 @@
 # %% ../nbs/03_bench.ipynb #7f2357f7
 from __future__ import annotations
 import contextlib, functools, inspect, json, math, platform, random, statistics, sys, time, warnings
-# a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line
+# a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line;
+# the filter lives only while the imports run, and the user's own filters are as they were after them
+_quiet = warnings.catch_warnings(); _quiet.__enter__()
 warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
 from functools import partial
 from pathlib import Path
@@ -28,6 +30,7 @@ from .plan import fit_executor, cores_each
 from .runs import *       # the benchmark's pieces keep their old import path, `loss_filters.bench`
 from .verdicts import *
 from .plots import *
+_quiet.__exit__(None, None, None)
 
 # %% auto #0
 __all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_work_costs', 'valid_accuracy', 'run_method',

@@ -68,3 +68,13 @@ def test_the_github_workflows_are_nbdevs():
     uses = lambda w: [s.get('uses', '') for j in w['jobs'].values() for s in j['steps']]
     assert 'fastai/workflows/nbdev-ci@master' in uses(wf['test']) and set(wf['test'][True]) >= {'push', 'pull_request'}   # YAML reads `on` as True
     assert uses(wf['deploy']) == ['fastai/workflows/quarto-ghp@master'] and wf['deploy']['permissions'] == {'contents': 'write', 'pages': 'write'}
+
+def test_importing_the_package_leaves_the_users_warning_filters_alone():
+    "A library must not change its users' warning filters: `loss_filters.bench` quiets a dependency's import warning only while it imports"
+    import subprocess, sys
+    code = ("import warnings\n"
+            "import loss_filters.all, loss_filters.bench, loss_filters.compare\n"
+            "left = [f for f in warnings.filters if f[1] is not None and 'jit\\\\.script' in f[1].pattern]\n"
+            "assert not left, left")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
