@@ -72,3 +72,16 @@ def test_seconds_are_read_only_from_one_sitting_on_one_thread_count():
     assert seconds_unread([run(), run(seed=1)]) is None
     assert 'sittings' in seconds_unread([run(), run(sitting='b')]) and 'thread counts' in seconds_unread([run(), run(threads=2)])
     assert 'saved without' in seconds_unread([run(), dict(method='blf', seed=0)])
+
+def test_two_sittings_of_one_command_read_alike_in_seconds():
+    "The compute preset's two saved sittings of one command (the proxy changed between them, the rest did not): the unchanged methods' work readings are the same, and their readings in seconds agree within their intervals"
+    from pathlib import Path
+    from loss_filters.compare import load_comparison
+    runs = Path(__file__).parent.parent / 'nbs' / 'bench_runs'
+    a, b = (load_comparison(runs / f) for f in ('compute_alternatives_runs.jsonl.gz', 'compute_alternatives_graph_runs.jsonl.gz'))
+    for m in ('blf', 'blf:epochs=7'):
+        ra, rb = (next(r for r in c.rows if r['method'] == m) for c in (a, b))
+        assert ra['vs_budget']['diff'] == rb['vs_budget']['diff'] and ra['vs_budget']['best_x'] == rb['vs_budget']['best_x']
+        sa, sb = ra['vs_budget_s'], rb['vs_budget_s']
+        assert sa['best_x_lo'] <= sb['best_x'] <= sa['best_x_hi'] and sb['best_x_lo'] <= sa['best_x'] <= sb['best_x_hi'], (m, sa['best_x'], sb['best_x'])
+        assert sa['lo'] <= sb['diff'] <= sa['hi'] and sb['lo'] <= sa['diff'] <= sb['hi']
