@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math
 from pathlib import Path
+from .runs import judged_method
 from .verdicts import control_specs
 
 # %% auto #0
@@ -17,13 +18,21 @@ def _plt():
     import matplotlib.pyplot as plt
     return plt
 
+def _method(spec:str):
+    "`spec` parsed once (`judged_method`), or None for a spelling no version of the package knows"
+    try: return judged_method(spec)
+    except (ValueError, TypeError): return None
+
 def short_label(spec:str) -> str:
-    "A legend's name for a method spec: the random controls and shorter plain schedules said in words, the rest as spelled"
-    name, _, args = spec.partition(':')
-    kw = dict(a.split('=', 1) for a in args.split(',') if '=' in a)
-    if name in ('random_batch', 'random'): return f"random choice, keep {float(kw.get('keep', 0)):.2f}" + (', full batches' if kw.get('fill_batch') in ('1', 'True') else '')
-    if name == 'baseline' and set(kw) == {'epochs'}: return f"plain, {kw['epochs']} epoch{'' if str(kw['epochs']) == '1' else 's'}"
-    if name == 'baseline' and 'lr_mult' in kw: return f"plain, rate x{float(kw['lr_mult']):.2f}"
+    "A legend's name for a method spec: the random controls, the plain model's other schedules and the alternatives at a method's own work said in words, the rest as spelled"
+    m = _method(spec)
+    if m is None: return spec
+    at = f" at {m.run['same_work'].replace('/', ':').replace('+', ',')}'s work" if 'same_work' in m.run else ''   # `work_slug` read back
+    if m.name in ('random_batch', 'random'):
+        return f"random choice, keep {float(m.kw.get('keep', 0)):.2f}" + (', full batches' if m.kw.get('fill_batch') in (1, True) else '') + at
+    if m.name == 'baseline' and at: return 'plain' + at
+    if m.name == 'baseline' and set(m.run) == {'epochs'}: return f"plain, {m.run['epochs']} epoch{'' if m.run['epochs'] == 1 else 's'}"
+    if m.name == 'baseline' and 'lr_mult' in m.run: return f"plain, rate x{float(m.run['lr_mult']):.2f}"
     return spec
 
 def _axes(ax, size):
@@ -50,7 +59,7 @@ def plot_colors(names:list, control_of:dict|None=None) -> dict:
 
 def _epochs_in(m:str) -> float:
     "The `epochs=` of a method's spelling (`baseline:epochs=3` -> 3); infinity where it has none"
-    e = next((kv.split('=')[1] for kv in m.partition(':')[2].split(',') if kv.startswith('epochs=')), None)
+    e = getattr(_method(m), 'run', {}).get('epochs')
     return float(e) if e else math.inf
 
 _PLAIN_MARKERS = 'sv^<>DPXh'   # one per other plain schedule, in order of length

@@ -73,6 +73,8 @@ def test_short_labels_say_the_controls_in_words():
     from loss_filters.plots import short_label
     assert short_label('random_batch:keep=0.557,start=0,end=1,interrupt=0,skip_epochs=1,fill_batch=0') == 'random choice, keep 0.56'
     assert short_label('baseline:epochs=7') == 'plain, 7 epochs' and short_label('blf:proxy=.25') == 'blf:proxy=.25'
+    assert short_label('baseline:same_work=topk/proxy=.25') == "plain at topk:proxy=.25's work"   # the alternatives at a method's own work
+    assert short_label('random_batch:keep=0.806,epochs=7,same_work=blf/epochs=7') == "random choice, keep 0.81 at blf:epochs=7's work"
 
 def test_the_defaults_agree_with_each_other():
     "The default `budgets` give four distinct plain schedules at the default 5 epochs, without a warning"
