@@ -126,14 +126,11 @@ class Comparison:
         head = (f"{metric_label(self.metric)} ({better} is better), {seeds_text(self.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
                 f"{'FLOPs' if self.settings.get('work') == 'flops' else 'measured step times'}")
         unread = next((r['seconds_unread'] for r in rows if r.get('seconds_unread')), None)
-        legend = [f"verdict: pays where the method ends above both simple alternatives, seed by seed, each by a one-sided test: the plain model "
-                  f"trained for its work (at equal work, in {'points' if unit == 'points' else unit}, + better, with its {lvl}% interval over "
-                  "seeds; read on the curve of the plain schedules where no plain run at its work was made) and random choice at equal work "
-                  "(the plain model at a smaller batch; at its share where that was not run); an alternative needs: the work the better of "
-                  "training less and random choice needs to match it, over the method's; in seconds: the same reading with each fit's own "
-                  "training seconds" + (f" (not read: {unread})." if unread else '.'),
-                  f"to target, the second reading, never a verdict by itself: the cheapest plain schedule's work to {tgt} ({self.target_source}) "
-                  "over the method's, and its runs that got there; 'missed' where none did."]
+        legend = [f"verdict: pays where the method beats, seed by seed (one-sided tests), both the plain model trained for its work (at equal "
+                  f"work: in {'points' if unit == 'points' else unit}, + better, {lvl}% interval) and random choice, a smaller batch; an alternative "
+                  "needs: the work the better of the two needs to match it, over the method's; in seconds: the same in each fit's training "
+                  "seconds" + (f" (not read: {unread})." if unread else '.'),
+                  f"to target (never a verdict alone): the cheapest plain schedule's work to {tgt} ({self.target_source}) over the method's."]
         return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 100) for l in legend] + [''] +
                          [textwrap.fill(f"{method_note(r, has)}; to target: {target_cell(r, has)}", 100, subsequent_indent='  ') for r in rows] +
                          ['', 'More: cmp.table (every figure of every run and control), cmp.verdicts (every test), cmp.plot().'])
