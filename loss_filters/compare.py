@@ -91,13 +91,12 @@ class Comparison:
         at_work = any(r.get('vs_random_work') for r in rows)   # random choice at equal work was run
         secs = any(r.get('vs_budget_s') for r in rows)   # the runs' seconds can be read
         alt = lambda v: mult_text(v.get('best_x'), v.get('best_x_censored')) if v and v.get('best_x') is not None else ''
-        sec = lambda r: f"{payoff_word(r, has, 'vs_budget_s').split(' (')[0]}, {alt(r['vs_budget_s'])}" if r.get('vs_budget_s') else ''
         cols = ['method', 'seeds', 'equal_work', f'ci{lvl}', f'payoff_at_{pct_text(self.alpha)}', 'vs_plain', 'vs_random',
                 'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own + ['vs_random_at_work', 'alternative_needs'] * at_work + ['in_seconds'] * secs
         return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('vs_budget')), ci(r.get('vs_budget')), payoff_word(r, has),
                                       held(r.get('vs_plain')), pts(r.get('vs_random')),
                                       target_cell(r, has), ci_text(r.get('vs_best_plain_work_ci')) or ''] + [pts(r.get('vs_self'))] * own
-                                     + [pts(r.get('vs_random_work')), alt(r.get('vs_budget'))] * at_work + [sec(r)] * secs for r in rows])
+                                     + [pts(r.get('vs_random_work')), alt(r.get('vs_budget'))] * at_work + [_seconds_cell(r, has) or ''] * secs for r in rows])
 
     def _judged(self) -> list:
         "The rows of the methods judged (not the plain model, its schedules or the controls)"
@@ -116,12 +115,9 @@ class Comparison:
             if not v or v.get('best_x') is None: return 'not read'
             return mult_text(v['best_x'], v['best_x_censored']) + (
                 f" ({mult_text(v['best_x_lo'], v['best_x_lo_censored'])} to {mult_text(v['best_x_hi'], v['best_x_hi_censored'])})" if v.get('best_x_lo') is not None else '')
-        def seconds(r):
-            if not r.get('vs_budget_s'): return 'not read'
-            return f"{payoff_word(r, has, 'vs_budget_s').split(' (')[0]}, {mult_text(r['vs_budget_s']['best_x'], r['vs_budget_s']['best_x_censored'])}"
         table = _text_table([['method', 'verdict', 'at equal work', 'an alternative needs', 'in seconds']] +
                             [[r['method'], payoff_word(r, has).split(' (')[0], equal_work(r.get('vs_budget')), needs(r.get('vs_budget')),
-                              seconds(r)] for r in rows])
+                              _seconds_cell(r, has) or 'not read'] for r in rows])
         better = 'lower' if self.sign < 0 else 'higher'
         head = (f"{metric_label(self.metric)} ({better} is better), {seeds_text(self.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
                 f"{'FLOPs' if self.settings.get('work') == 'flops' else 'measured step times'}")
@@ -181,6 +177,11 @@ class Comparison:
                 + format_table(self.rows, self.metric, self.sign) + '\n' + '\n'.join(self.verdicts))
 
     def __repr__(self): return self.short()
+
+def _seconds_cell(r:dict, has_budgets:bool) -> str|None:
+    "The first reading in seconds in a table cell: its word and what the better alternative needs (`'pays, 1.25x'`); None where seconds were not read"
+    v = r.get('vs_budget_s')
+    return f"{payoff_word(r, has_budgets, 'vs_budget_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
 
 def _text_table(rows:list) -> str:
     "Rows of strings as left-aligned columns"

@@ -201,13 +201,13 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     cut = [] if examples is None else [CutSchedule(max(1, round(examples / learn.dls.train.bs)))]
     if cut: epochs = math.ceil(cut[0].n_batches / len(learn.dls.train))   # the epochs it starts; the last one is cut short
     cbs = cut + list(cbs or [])
-    learn.add_cbs([clock] + list(cbs or []))
+    learn.add_cbs([clock] + cbs)
     if cb_cls is not None: learn.add_cb(cb_cls(**kw))
     try:
         if show_progress: (fit or _fit_one_cycle)(learn, epochs, lr)
         else:
             with learn.no_bar(), learn.no_logging(): (fit or _fit_one_cycle)(learn, epochs, lr)
-    finally: learn.remove_cbs([clock] + list(cbs or []))
+    finally: learn.remove_cbs([clock] + cbs)
     h, filt = clock.history, getattr(learn, 'loss_filter', None)
     if not h: raise ValueError(f"the fit of {spec!r} recorded no epoch: does `fit` train the Learner it is given?")
     diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(m.spec)}.png') if diag is not None and filt is not None else None

@@ -233,7 +233,8 @@ def equal_work(runs:list, # the runs of a comparison
                plain:list, # the plain schedules' method names (`baseline` and the budgets)
                alpha:float=.05, # the level of the test
                curve:dict|None=None, # `plain_curve(runs, plain)`, when already made
-               same:str|None=None # the plain model's runs at the method's own work (`baseline:same_work=...`): each seed against its own, no line read across a bend
+               same:str|None=None, # the plain model's runs at the method's own work (`baseline:same_work=...`): each seed against its own, no line read across a bend
+               rand:list|None=None # random choice's points, `random_points(runs)`, when already made
               ) -> dict|None:
     "The method's final value against training less at its work (`diff`, interval, verdict, over its seeds), the same as a work multiplier `x` read off the fitted plain curve, and `best_x` read off the better of training less and random choice at a share (`best_by` names random choice where it is the better one), each with its interval"
     curve = curve or plain_curve(runs, plain)
@@ -255,7 +256,7 @@ def equal_work(runs:list, # the runs of a comparison
     mult = lambda d: (lambda w, c: (w / work, c))(*curve_work(curve, base + d))
     x, xc = mult(t['est'])
     (lo, loc), (hi, hic) = (mult(t['lo']), mult(t['hi'])) if t['lo'] is not None else ((None, None), (None, None))
-    rand = random_points(runs)
+    rand = random_points(runs) if rand is None else rand
     alt = lambda d: (lambda w, c, by: (w / work, c, by))(*alternative_work(curve, rand, base + d))
     bx, bxc, by = alt(t['est'])
     (blo, bloc, _), (bhi, bhic, _) = (alt(t['lo']), alt(t['hi'])) if t['lo'] is not None else ((None, None, None),) * 2
@@ -368,6 +369,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
     unread = seconds_unread(runs) if runs else 'no per-seed runs'
     runs_s = None if unread else [r | dict(work=r['train_s']) for r in runs]   # the same reading with each fit's own training seconds as its work
     fitted_s = plain_curve(runs_s, curve_of) if runs_s else None
+    points, points_s = (random_points(runs) if runs else []), (random_points(runs_s) if runs_s else [])   # random choice's, once for every method
     best = best_plain(rows, plain, target) if target is not None and len(plain) > 1 else None
     for r in rows:
         m = r['method']
@@ -381,8 +383,8 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         same_plain, same_rand = at_work.get(m, (None, None))
         rand = next((c for c in control_of.get(m, []) if c.startswith('random') and c != same_rand), None)   # random choice at its share
         if runs:
-            if fitted is not None and (ew := equal_work(runs, m, curve_of, alpha, fitted, same_plain if same_plain in by else None)): r['vs_budget'] = ew
-            if fitted_s is not None and (ew := equal_work(runs_s, m, curve_of, alpha, fitted_s)): r['vs_budget_s'] = ew   # seconds: the curve's reading
+            if fitted is not None and (ew := equal_work(runs, m, curve_of, alpha, fitted, same_plain if same_plain in by else None, points)): r['vs_budget'] = ew
+            if fitted_s is not None and (ew := equal_work(runs_s, m, curve_of, alpha, fitted_s, rand=points_s)): r['vs_budget_s'] = ew   # seconds: the curve's reading
             elif unread: r['seconds_unread'] = unread
             for k, c in (('vs_random', rand), ('vs_random_work', same_rand), ('vs_self', self_scored_control(m))):   # None where a seed lacks the control's run
                 if c in by and c in control_of.get(m, []) and (t := _acc_test(_paired_diffs(m, _run_of(c), runs), alpha)): r[k] = t | dict(control=c)
