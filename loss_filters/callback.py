@@ -6,5 +6,7 @@
 __all__ = []
 
 # %% ../nbs/98_callback_compat.ipynb #c0ba7c03
+import warnings
 from .batch import *
 from .batch import __all__
+warnings.warn("`loss_filters.callback` is the old name of `loss_filters.batch`: import from `loss_filters.batch` (the old path goes in 0.2)", FutureWarning, stacklevel=2)

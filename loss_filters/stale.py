@@ -6,5 +6,7 @@
 __all__ = []
 
 # %% ../nbs/99_stale_compat.ipynb #57a1ec03
+import warnings
 from .sampler import *
 from .sampler import __all__
+warnings.warn("`loss_filters.stale` is the old name of `loss_filters.sampler`: import from `loss_filters.sampler` (the old path goes in 0.2)", FutureWarning, stacklevel=2)
