@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_bench.ipynb #7f2357f7
 from __future__ import annotations
-import contextlib, functools, inspect, json, math, platform, random, statistics, sys, time, warnings
+import contextlib, functools, json, random, sys, warnings
 # a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line;
 # the filter lives only while the imports run, and the user's own filters are as they were after them
 _quiet = warnings.catch_warnings(); _quiet.__enter__()
@@ -15,39 +15,27 @@ import torch
 from torch import nn
 from fastcore.script import anno_parser
 from fastcore.basics import store_attr
-from fastai.basics import Learner, DataLoaders, Callback, CrossEntropyLossFlat, accuracy, set_seed, CancelFitException, CancelBatchException
-from .core import plain, frozen_norm_stats, take, check_range, check_int
+from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
+from .core import check_range, check_int
 from .batch import LossFilterCallback
-from .geometry import per_example_gramian
-from .probe import GradientProbeCallback
 from .data import load_dls, CropFlip, DATASETS
-from .models import WideResNet, simple_cnn, simple_mlp
-from .runs import DEFAULT_METHODS, parse_method, run_fit, sync_device, timed, learner_score_cost, learner_flop_costs, StopAfter, EpochClock, seed_loaders
-from .verdicts import best_plain, format_table, verdict_lines, ci_level, pct_text
+from .models import MODELS, make_model, bench_learner
+from .runs import DEFAULT_METHODS, parse_method, run_fit, learner_flop_costs
 from .plots import plot_results, plot_budget
-from .compare import compare_filters
+from .compare import compare_filters, machine_info
 from .plan import fit_executor, cores_each
-from .runs import *       # the benchmark's pieces keep their old import path, `loss_filters.bench`
-from .verdicts import *
-from .plots import *
+from .profiler import profile_step, probe_cost
 _quiet.__exit__(None, None, None)
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODELS', 'SWITCH', 'make_model', 'bench_learner', 'bench_work_costs', 'valid_accuracy', 'run_method',
-           'plain_step_seconds', 'measure_score_cost', 'profile_step', 'probe_cost', 'BenchLearners', 'lf_bench',
-           'main']
+__all__ = ['PRESETS', 'SWITCH', 'bench_work_costs', 'valid_accuracy', 'run_method', 'BenchLearners', 'lf_bench', 'main']
 
 # %% ../nbs/10_bench.ipynb #94125ca3
-# `main`: `make bench`, the main job: a first reading of the Batch Loss Filter with every control, from 5 seeds, in under 5 minutes on
-# 2 cores (2 fits at a time): the cheap MLP on 30,000 Fashion-MNIST images, 4 epochs, plain schedules of 2, 3, 5 and 6. `quick`: every
-# default method once, no controls, minutes. `compute`: where training is still compute-bound (the plain curve rises through the full
-# schedule and past it), the bench CNN on 30,000 Fashion-MNIST images for 5 epochs, plain schedules of 2 to 8, 6 seeds: where savings
-# are claimed (about an hour on 2 cores).
-# `long`: clean images on a short schedule, the plain model at its measured plateau (schedule length and learning rate from a sweep of
-# the plain model), with every control beside every method: the check that a filter loses nothing there. `aug`: the regime the recipes were
-# published for, crop and flip on a long one-cycle schedule at the plain model's plateau (68 epochs: 50% more gained 0.11 points;
-# the rate from a sweep at 45, 68 and 100 epochs), sized so that 3 seeds with every control run in about an hour on 2 cores.
-# A preset's `target` holds for its own data and settings (Fashion-MNIST, its size, schedule and rate): elsewhere, pass `--reference_seeds`.
+# `main` (`make bench`, the main job): the Batch Loss Filter with every control, 5 seeds, minutes on 2 cores; the cheap MLP on 30,000
+# Fashion-MNIST images. `quick`: every default method once, no controls. `compute`: the bench CNN where training is compute-bound (the plain
+# curve still rises past the full schedule), 6 seeds: where savings are claimed. `long`: clean images on a short schedule at the plain
+# model's plateau, every control beside every method: the check that a filter loses nothing there. `aug`: crop and flip on a long one-cycle
+# schedule at its plateau, the regime the recipes were published for. A preset's `target` holds for its own data and settings.
 PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=30_000, n_valid=None,
                          methods='baseline blf', budgets='.5 .75 1.25 1.5', model='mlp', seeds=5),
                quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
@@ -60,23 +48,6 @@ PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=Tr
                aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1,
                         target=.8029))   # fixed in advance: the knee of 5 reference seeds (21-25), saved in nbs/bench_runs/aug_reference_runs.jsonl.gz
-
-def _widths(ws:tuple, share:float) -> tuple: return tuple(max(1, round(w * share)) for w in ws)
-
-# each bench model from an input batch `x`, the classes `c` and a share `w` of its widths (`w < 1`: a proxy of the same family)
-MODELS = dict(cnn=lambda x, c, w=1.: simple_cnn(n_in=x.shape[1], n_out=c, widths=_widths((32, 64, 128), w)),    # the bench CNN
-              mlp=lambda x, c, w=1.: simple_mlp(n_in=x[0].numel(), n_out=c, widths=_widths((256, 128), w)),     # a cheap model: the filters' fixed costs show
-              wrn=lambda x, c, w=1.: WideResNet(num_groups=2, N=1, num_classes=c, k=1, start_nf=max(1, round(16 * w)), n_in=x.shape[1]))   # residual
-
-def make_model(name:str, dls, width:float=1.) -> nn.Module:
-    "The bench model `name` (one of `MODELS`) sized for the inputs and classes of `dls`, at a share `width` of its widths (a proxy for it when < 1)"
-    if name not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {name!r}")
-    check_range('width', width, 0, 1, lo_open=True)
-    return MODELS[name](dls.one_batch()[0], dls.c, width)
-
-def bench_learner(dls, model:str='cnn') -> Learner:
-    "A new Learner of the bench `model` on `dls`: cross-entropy, accuracy"
-    return Learner(dls, make_model(model, dls), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
 
 # %% ../nbs/10_bench.ipynb #7870f727
 def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
@@ -110,109 +81,6 @@ def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str
     "Train one method from `seed` on the bench `model` and `dls`: its timings, work, history and kept shares (`run_fit`)"
     return run_fit(partial(bench_learner, dls, model), spec, epochs=epochs, lr=lr, seed=seed, metric='accuracy', evals_per_epoch=evals_per_epoch,
                    check=valid_accuracy, show_progress=show_progress, diag=diag, cbs=cbs)
-
-# %% ../nbs/10_bench.ipynb #01a8be0a
-def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
-    "Seconds per batch of plain fastai training, as a fit runs it: the step a filter's own work is measured against"
-    set_seed(seed)
-    learn = bench_learner(dls, model)
-    best = math.inf
-    for _ in range(3):   # the least disturbed of three short fits
-        clock = StopAfter(min(n, len(dls.train)))
-        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=clock)
-        best = min(best, clock.secs)
-    return best
-
-class _Cached(nn.Module):
-    "`net` (its parameters, its norm layers) with a fixed output: times the scoring pass without the forward"
-    def __init__(self, net, out): super().__init__(); self.net, self.out = net, out
-    def forward(self, *x): return self.out
-
-def measure_score_cost(dls, model:str='cnn', n:int=10, seed:int=0) -> float:
-    "What scoring an example costs in training steps on the bench `model`: a no-grad forward (batch norm frozen) over a full training step"
-    set_seed(seed)
-    return learner_score_cost(bench_learner(dls, model), n)
-
-def _acting(cb_cls, kw:dict) -> dict:
-    "`kw` with the schedule of a filter that acts on every batch: the piece timings are those of a filtered step"
-    every = dict(start=0., end=1., interrupt=0, skip_epochs=0)
-    return {**kw, **{k: v for k, v in every.items() if k in inspect.signature(cb_cls).parameters}}
-
-def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
-    "Seconds per batch of each piece of a filtered step (the filter driven through its own events), and its own work beside the model as a share of a plain step"
-    m = parse_method(spec)
-    cb_cls, kw = m.cls, m.kw
-    set_seed(seed)
-    learn = bench_learner(dls, model)
-    learn.model.to(dls.device)   # where a fit's `before_fit` would put it: the batches are on the loaders' device (a GPU's, where there is one)
-    if m.proxy is not None: kw = kw | dict(score_model=make_model(model, dls, m.proxy))   # the proxy scores, the model runs no scoring pass
-    cb, net, n_epoch = cb_cls(**_acting(cb_cls, kw)), learn.model, len(dls.train)
-    learn.add_cb(cb); learn.create_opt(); net.train()
-    b = dls.train.one_batch()
-    xb, yb = b[:dls.n_inp], b[dls.n_inp:]
-    # what `Learner.fit` sets before a filter's events: the first batch of a one-epoch fit
-    learn.n_epoch, learn.epoch, learn.train_iter, learn.iter, learn.n_iter, learn.pct_train = 1, 0, 0, 0, n_epoch, 0.
-    learn.dl, learn.training, learn.xb, learn.yb = dls.train, True, xb, yb
-    cb('before_fit'); cb('before_train')
-    def forward():
-        with torch.no_grad(), frozen_norm_stats(net): return net(*plain(xb))
-    def before_batch():   # the filter's whole batch step, as a fit calls it
-        learn.xb, learn.yb = xb, yb
-        try: cb('before_batch')
-        except CancelBatchException: pass   # `fill_batch` waiting for a full batch
-    def fold() -> float:   # an epoch of filtered batches, then the epoch's end that folds their records: its seconds
-        cb('before_train')
-        for _ in range(n_epoch): before_batch()
-        sync_device(); t = time.perf_counter(); cb('after_train'); sync_device()
-        return time.perf_counter() - t
-    def step(x, y):
-        loss = learn.loss_func(net(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
-    res = dict(forward=timed(forward, n))
-    learn.model = _Cached(net, forward())   # the scoring pass, and the filter's step, without the model's forward
-    res.update(score=timed(cb.score_batch, n), before_batch=timed(before_batch, n), record=min(fold() for _ in range(3)) / n_epoch)
-    learn.model, learn.xb, learn.yb = net, xb, yb
-    losses, scores = cb.score_batch()
-    idxs = cb.select(scores).sort().values
-    res.update(select=timed(lambda: cb.select(scores).sort(), n), take=timed(lambda: (take(xb, idxs), take(yb, idxs)), n),
-               train_kept=timed(lambda: step(take(xb, idxs), take(yb, idxs)), n), train_full=timed(lambda: step(xb, yb), n))
-    res['plain_step'] = plain_step_seconds(dls, max(n, 30), model, seed)
-    res['kept'], res['bs'] = len(idxs), len(scores)
-    total = res['forward'] + res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
-    res.update({f'{k}_share': res[k] / total for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')})
-    # the filter's own work: its whole batch step besides the model's forward, and its share of the epoch's end
-    res['overhead'] = res['before_batch'] + res['record']
-    res['overhead_share'] = res['overhead'] / res['plain_step']
-    return res
-
-def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
-    "`(training seconds, training steps, learn)` of a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any)"
-    set_seed(seed)
-    learn, clock = bench_learner(dls, model), EpochClock()
-    seed_loaders(learn, seed)   # the plain fit and the probed one on the same data order
-    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
-        warnings.simplefilter('ignore')   # the probe's own cost warning: this is where it is measured
-        learn.fit_one_cycle(epochs, 3e-3, cbs=[clock] + ([probe] if probe is not None else []))
-    return clock.train_s, learn.train_iter, learn
-
-def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0, repeats:int=3) -> dict:
-    "The gradient probe's cost on the bench `model`: medians over `repeats` fits with the probe at `every` of ms a probe, ms a step of the same fit (its training time without the probes, per step: the two measured together, through the machine's drifts), their ratio, and the probes' share of the fit's training time; each beside a plain fit (run first, then second, in turn), whose step shows whether the probe slows the steps around it"
-    runs = []
-    for i in range(repeats):
-        probe = GradientProbeCallback(every=every)
-        fits = {f is probe: _clocked_fit(dls, model, seed, epochs, f) for f in ((None, probe) if i % 2 == 0 else (probe, None))}
-        (plain_s, plain_steps, _), (secs, steps, learn) = fits[False], fits[True]
-        n = max(len(probe.stats), 1)
-        per, step = probe.seconds / n, (secs - probe.seconds) / steps
-        runs.append(dict(probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, share=probe.seconds / secs,
-                         plain_step_ms=plain_s / plain_steps * 1e3, probes=len(probe.stats), steps=steps,
-                         **{f'{k}_ms': s / n * 1e3 for k, s in probe.part_seconds.items()}))   # per probe: its pass and statistics, α's start, α's end
-    med = lambda k: statistics.median(r[k] for r in runs)
-    b = dls.train.one_batch()
-    ref = timed(lambda: per_example_gramian(learn.model, b[:dls.n_inp], b[dls.n_inp:], learn.loss_func, engine='torchjd'), 5)
-    return dict(model=model, bs=dls.train.bs, params=sum(p.numel() for p in learn.model.parameters()), every=every, epochs=epochs, repeats=repeats,
-                probes=runs[0]['probes'], steps=runs[0]['steps'], probe_ms=med('probe_ms'), step_ms=med('step_ms'), probe_steps=med('probe_steps'),
-                share=med('share'), share_of_steps=med('probe_ms') / (med('probe_ms') + every * med('step_ms')), plain_step_ms=med('plain_step_ms'),
-                torchjd_gramian_ms=ref * 1e3, **{k: med(k) for k in ('gramian_ms', 'alpha_start_ms', 'alpha_end_ms') if k in runs[0]}, runs=runs)
 
 # %% ../nbs/10_bench.ipynb #c42b53fc
 def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
@@ -331,37 +199,26 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     scored = [s for s in specs if (c := parse_method(s).cls) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
-    res = dict(data=data_name, model=model, preset=preset, seeds=seeds, controls=dict(budgets=budget_runs, random=control_of),
-               n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment, label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, repeats=repeats,
-               evals_per_epoch=evals_per_epoch, target=tgt, target_from=cmp.target_source, score_cost=cost, work=st.get('work'), score_cost_timed=st.get('score_cost_timed'), best_plain=best_plain(rows, ['baseline', *budget_runs], tgt),
-               machine=dict(platform=platform.platform(), cpu_count=torch.get_num_threads(), torch=torch.__version__,
-                            cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None),
-               summary=rows, verdicts=cmp.payoffs(), runs=runs, profile=prof)
-    (out / 'results.json').write_text(json.dumps(res, indent=1))
+    res = cmp.results(data=data_name, model=model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
+                      label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
+                      score_cost=cost, work=st.get('work'), profile=prof)
+    paths = cmp.save(out, **res)
     plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
     if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
-    (out / 'table.txt').write_text(
-        f"Target accuracy {tgt:.4f} ({cmp.target_source}). Work in plain epochs (examples trained, plus examples scored at {cost:.3f} of a training step "
-        f"each, plus a proxy's examples at their cost, {'counted in operations' if st.get('work') == 'flops' else 'timed'}; a random control charged its training only); times in training seconds (validation excluded). Medians over {seeds} seed(s) x {repeats} "
-        f"repeat(s), ±spread (max - min); the x columns are paired ratios (each run over the same seed's baseline; vs_best_plain over the cheapest "
-        f"plain schedule), geometric means, above 1x when the method needed less; _ci{ci_level(rows)}: {ci_level(rows)}% Student's t intervals over "
-        f"the {seeds} seed(s); every verdict a one-sided test at {pct_text(alpha)}\n" + format_table(rows) + '\n'
-        + '\n'.join(verdict_lines(rows, budget_runs, control_of) + cmp.payoffs()) + '\n')
-    print(f"\n{cmp}\nEvery figure of every run and control, and every test in words: {out / 'table.txt'}")
+    print(f"\n{cmp}\nEvery figure of every method and control, and every test in words: {out / 'summary.txt'}")
     for s, p in prof.items():
         print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
               f"own work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (its batch step {p['before_batch']*1e3:.3f} "
               f"with losses and scores {p['score']*1e3:.3f}, select {p['select']*1e3:.3f}, take {p['take']*1e3:.3f}; records {p['record']*1e3:.3f} ms); "
               f"kept {p['kept']}/{p['bs']}, bare step on them {p['train_kept']*1e3:.2f} ms, on all {p['train_full']*1e3:.2f} ms")
-    print(f"wrote {out / 'results.json'}, " + ', '.join(str(p) for p in plots))
+    print("wrote " + ', '.join(str(p) for p in paths + plots))
     return res
 
 def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path, repeats:int=3) -> dict:
     "`lf_bench --probe_cost`: the probe's cost over `repeats` fits, printed and written to probe_cost.json"
     run_fit(partial(bench_learner, dls, model), 'baseline', epochs=1, lr=3e-3, seed=seed)   # warm-up, not reported
     r = probe_cost(dls, model, seed=seed, repeats=repeats)
-    r.update(data=data_name, machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
-                                          cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None))
+    r.update(data=data_name, machine=machine_info())
     (out / 'probe_cost.json').write_text(json.dumps(r, indent=1))
     print(f"lf_bench --probe_cost: {data_name}, model {model} ({r['params']:,} parameters), batches of {r['bs']}, medians of {r['repeats']} fits: "
           f"a probe {r['probe_ms']:.1f} ms = {r['probe_steps']:.2f} steps of the same fit ({r['step_ms']:.1f} ms; {r['plain_step_ms']:.1f} ms in the plain fits beside); "

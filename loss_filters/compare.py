@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_compare.ipynb #64689ed7
 from __future__ import annotations
-import json, os, platform, sys, textwrap, time, warnings
+import json, os, platform, sys, time, warnings
 from functools import partial
 from pathlib import Path
 import torch
@@ -14,24 +14,18 @@ from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
-                               seeded_proxy, BLIND)
-from .verdicts import (summarise, add_verdicts, budget_specs, matched_control, rate_control, control_specs, self_scored_control, same_work_controls, work_slug,
-                                   best_plain, verdict_lines, payoff_line, payoff_word, seeds_text, format_table, ci_text, ci_level, pct_text,
-                                   mult_text, diff_text, knee_target, target_cell, method_note)
-from .plots import budget_figure, time_figure, save_figure, plot_colors, metric_label
-from .plan import Fit, comparison_plan, run_plan, train_fit, check_executor, default_threads, executor_workers
+                               seeded_proxy, control_specs, BLIND)
+from .verdicts import summarise, add_verdicts, best_plain, knee_target
+from .report import (verdict_lines, seeds_text, metric_label, estimate_text, summary_text, summary_frame, full_text)
+from .plots import budget_figure, time_figure, save_figure, plot_colors
+from .plan import Fit, Design, found_controls, run_plan, train_fit, check_executor, default_threads, executor_workers
 
 # %% auto #0
-__all__ = ['Comparison', 'estimate_text', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
+__all__ = ['Comparison', 'machine_info', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
 
 # %% ../nbs/08_compare.ipynb #651de256
-_shown = [('epochs', 'epochs'), ('reached', 'reached'), ('final', None), ('samp_perc', 'mean_samp_perc'), ('work', 'work'),
-          ('work_to_target', 'work_to_target'), ('work_x', 'work_x'), ('work_x_ci', 'work_x_ci'),
-          ('vs_best_plain_work_x', 'vs_best_plain_work_x'), ('vs_best_plain_work_ci', 'vs_best_plain_work_ci'),
-          ('train_s', 'train_s'), ('target_s', 'target_s'), ('target_x', 'target_x'), ('vs_best_plain_x', 'vs_best_plain_x')]
-
 class Comparison:
-    "What `compare_filters` measured: the runs, the summary rows, the target, the controls and the settings"
+    "What `compare_filters` measured: the runs, the summary rows, the target, the controls and the settings; `print` it for the verdicts"
     def __init__(self, runs:list, rows:list, target:float, budgets:list, control_of:dict, settings:dict): store_attr()
 
     @property
@@ -58,78 +52,8 @@ class Comparison:
 
     @property
     def table(self):
-        "The summary as a DataFrame, one row per method and control, the metric under its own name and sign"
-        import pandas as pd
-        out = []
-        for r in self.rows:
-            d = dict(method=r['method'])
-            for col, k in _shown: d[f'final_{self.metric}' if col == 'final' else col] = self.sign * r['final_accuracy'] if k is None else r.get(k)
-            for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(self.rows))] = ci_text(d.pop(k))   # t intervals over seeds
-            for k in ('vs_budget', 'vs_random', 'vs_self'): d[k] = f"{diff_text(r[k]['diff'], self.unit)} {r[k]['verdict']}" if r.get(k) else None   # + is better
-            v = r.get('vs_budget') or {}
-            d['training_less_needs'] = mult_text(v.get('x'), v.get('x_censored')) if v else None   # the first reading as a work multiplier
-            d['payoff'] = payoff_word(r, bool(self.budgets)) if r['method'] not in {'baseline', *self.budgets, *control_specs(self.control_of)} else None
-            out.append(d)
-        return pd.DataFrame(out).set_index('method')
-
-    def payoffs(self) -> list:
-        "One line per method: does it pay here, against training less?"
-        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
-        return [payoff_line(r, bool(self.budgets)) for r in self.rows if r['method'] not in skip]
-
-    def brief(self) -> str:
-        "The verdicts as a short text table, one line per method (the controls left out): seeds, the first reading with its interval, the payoff, the accuracy verdicts, the second reading"
-        lvl, has, unit = ci_level(self.rows), bool(self.budgets), self.unit
-        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
-        d = lambda v: diff_text(v['diff'], unit)
-        pts = lambda v: f"{d(v)} {v['verdict']}" if v else ''   # in the metric's units, + better, as in the payoff lines
-        num = lambda x: diff_text(x, unit).split()[0]   # the number alone: the unit is in the column before
-        ci = lambda v: f"{num(v['lo'])} to {num(v['hi'])}" if v and v.get('lo') is not None else ''
-        held = lambda v: '' if not v else f"{d(v)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
-        rows = [r for r in self.rows if r['method'] not in skip]
-        own = any(r.get('vs_self') for r in rows)   # a proxy-scored method: against the same filter scored by the model
-        at_work = any(r.get('vs_random_work') for r in rows)   # random choice at equal work was run
-        secs = any(r.get('vs_budget_s') for r in rows)   # the runs' seconds can be read
-        alt = lambda v: mult_text(v.get('best_x'), v.get('best_x_censored')) if v and v.get('best_x') is not None else ''
-        cols = ['method', 'seeds', 'equal_work', f'ci{lvl}', f'payoff_at_{pct_text(self.alpha)}', 'vs_plain', 'vs_random',
-                'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own + ['vs_random_at_work', 'alternative_needs'] * at_work + ['in_seconds'] * secs
-        return _text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('vs_budget')), ci(r.get('vs_budget')), payoff_word(r, has),
-                                      held(r.get('vs_plain')), pts(r.get('vs_random')),
-                                      target_cell(r, has), ci_text(r.get('vs_best_plain_work_ci')) or ''] + [pts(r.get('vs_self'))] * own
-                                     + [pts(r.get('vs_random_work')), alt(r.get('vs_budget'))] * at_work + [_seconds_cell(r, has) or ''] * secs for r in rows])
-
-    def _judged(self) -> list:
-        "The rows of the methods judged (not the plain model, its schedules or the controls)"
-        skip = {'baseline', *self.budgets, *control_specs(self.control_of)}
-        return [r for r in self.rows if r['method'] not in skip]
-
-    def short(self) -> str:
-        "What `print(cmp)` shows: a table of the verdicts, what its columns mean in two lines, then one line per method on what the table leaves out"
-        lvl, has, unit, a = ci_level(self.rows), bool(self.budgets), self.unit, self.alpha
-        rows, tgt = self._judged(), f"{self.target_value:.4f}"
-        num = lambda x: diff_text(x, unit).split()[0]   # the unit is in the legend
-        def equal_work(v):
-            if not v: return 'not read'
-            return num(v['diff']) + (f" ({num(v['lo'])} to {num(v['hi'])})" if v.get('lo') is not None else '')
-        def needs(v):
-            if not v or v.get('best_x') is None: return 'not read'
-            return mult_text(v['best_x'], v['best_x_censored']) + (
-                f" ({mult_text(v['best_x_lo'], v['best_x_lo_censored'])} to {mult_text(v['best_x_hi'], v['best_x_hi_censored'])})" if v.get('best_x_lo') is not None else '')
-        table = _text_table([['method', 'verdict', 'at equal work', 'an alternative needs', 'in seconds']] +
-                            [[r['method'], payoff_word(r, has).split(' (')[0], equal_work(r.get('vs_budget')), needs(r.get('vs_budget')),
-                              _seconds_cell(r, has) or 'not read'] for r in rows])
-        better = 'lower' if self.sign < 0 else 'higher'
-        head = (f"{metric_label(self.metric)} ({better} is better), {seeds_text(self.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
-                f"{'FLOPs' if self.settings.get('work') == 'flops' else 'measured step times'}")
-        unread = next((r['seconds_unread'] for r in rows if r.get('seconds_unread')), None)
-        legend = [f"verdict: pays where the method beats, seed by seed (one-sided tests), both the plain model trained for its work (at equal "
-                  f"work: in {'points' if unit == 'points' else unit}, + better, {lvl}% interval) and random choice, a smaller batch; an alternative "
-                  "needs: the work the better of the two needs to match it, over the method's; in seconds: the same in each fit's training "
-                  "seconds" + (f" (not read: {unread})." if unread else '.'),
-                  f"to target (never a verdict alone): the cheapest plain schedule's work to {tgt} ({self.target_source}) over the method's."]
-        return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 100) for l in legend] + [''] +
-                         [textwrap.fill(f"{method_note(r, has)}; to target: {target_cell(r, has)}", 100, subsequent_indent='  ') for r in rows] +
-                         ['', 'More: cmp.table (every figure of every run and control), cmp.verdicts (every test), cmp.plot().'])
+        "The summary as a DataFrame, one row per method and control (medians over its runs), indexed by a short name (the spec in column `spec`)"
+        return summary_frame(self)
 
     @property
     def verdicts(self) -> list:
@@ -146,21 +70,21 @@ class Comparison:
         fig.tight_layout()
         return fig
 
-    def results(self) -> dict:
-        "Everything measured, as plain data"
-        return dict(settings=self.settings, metric=self.metric, target=self.target_value, budgets=self.budgets, controls=self.control_of,
+    def results(self, **more) -> dict:
+        "Everything measured, as plain data, and `more` (what a caller adds, such as a profile)"
+        return dict(settings=self.settings, metric=self.metric, target=self.target_value, target_from=self.target_source,
+                    controls=dict(budgets=self.budgets, of=self.control_of),
                     best_plain=best_plain(self.rows, ['baseline', *self.budgets], self.target) if self.budgets else None,
-                    summary=self.rows, verdicts=self.verdicts, runs=self.runs,
-                    machine=dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
-                                 cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None))
+                    summary=self.rows, verdicts=self.verdicts, runs=self.runs, machine=machine_info()) | more
 
-    def save(self, folder) -> list:
-        "Write `results.json` and the figures as PNGs in `folder`; their paths"
+    def save(self, folder, **more) -> list:
+        "Write `results.json` (with `more`), `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
         import matplotlib; matplotlib.use('Agg')
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
-        (folder / 'results.json').write_text(json.dumps(self.results(), indent=1))
+        (folder / 'results.json').write_text(json.dumps(self.results(**more), indent=1))
+        (folder / 'summary.txt').write_text(full_text(self) + '\n')
         names = (['accuracy_vs_budget.png'] if self.budgets else []) + ['accuracy_vs_time.png']
-        return [folder / 'results.json'] + [save_figure(f(), folder / n) for f, n in zip(self._figures(), names)]
+        return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in zip(self._figures(), names)]
 
     def _figures(self) -> list:
         "The figures' makers, `f(ax=None)`: over the plain curve (with budgets) and against time, in one colour per method and its controls"
@@ -169,24 +93,12 @@ class Comparison:
         timed = lambda ax=None: time_figure(self.runs, self.target, self.metric, self.sign, ax=ax, colors=col, controls=control_specs(self.control_of))
         return ([budget] if self.budgets else []) + [timed]
 
-    def full_text(self) -> str:
-        "Every figure of every method and control as a wide text table, then every verdict in words"
-        better = 'lower' if self.sign < 0 else 'higher'
-        return (f"Comparison on {self.metric} ({better} is better; target {self.target_value:.4f}), {self.settings['seeds']} seed(s), tests at "
-                f"{pct_text(self.alpha)}; differences in {'points of ' + self.metric if self.unit == 'points' else self.unit}, + better\n"
-                + format_table(self.rows, self.metric, self.sign) + '\n' + '\n'.join(self.verdicts))
+    def __repr__(self): return summary_text(self)
 
-    def __repr__(self): return self.short()
-
-def _seconds_cell(r:dict, has_budgets:bool) -> str|None:
-    "The first reading in seconds in a table cell: its word and what the better alternative needs (`'pays, 1.25x'`); None where seconds were not read"
-    v = r.get('vs_budget_s')
-    return f"{payoff_word(r, has_budgets, 'vs_budget_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
-
-def _text_table(rows:list) -> str:
-    "Rows of strings as left-aligned columns"
-    w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return '\n'.join('  '.join(c.ljust(n) for c, n in zip(row, w)).rstrip() for row in rows)
+def machine_info() -> dict:
+    "Where the runs trained: the platform, torch's threads and version, the GPU"
+    return dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
+                cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 # %% ../nbs/08_compare.ipynb #7fd53d59
 def _metric_names(learn) -> list: return ['valid_loss'] + [m.name for m in learn.metrics]
@@ -258,19 +170,6 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
     runs = [json.loads(l) for l in runs_f.read_text().splitlines() if l.strip()]
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
 
-# %% ../nbs/08_compare.ipynb #5f3c3078
-def _epochs_of(spec:str, epochs:int) -> int: return parse_method(spec).epochs(epochs)
-
-def _duration(s:float) -> str:
-    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
-
-def estimate_text(first_s:float, fits:float, saved:int=0, workers:int=1) -> str:
-    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each (its building, training and checks), `workers` at a time"
-    return (f"compare_filters: a full-schedule fit takes about {_duration(first_s)} here, with its Learner's building and checks; the comparison"
-            + (f" ({saved} runs reused from the folder)" if saved else '')
-            + f" needs the time of about {fits:.0f} more such fits, about {_duration(first_s * fits / workers)} on this machine"
-            + (f" with {workers} at a time" if workers > 1 else ''))
-
 # %% ../nbs/08_compare.ipynb #64dadaf3
 _SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', 'recall', 'auc', 'top_k')
 
@@ -288,27 +187,6 @@ def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|
     rows, tgt = summarise(judged, target, target_drop, alpha)
     add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in judged}), tgt, runs=judged, alpha=alpha, unit=unit)
     return Comparison(judged, rows, tgt, budgets, control_of, settings)
-
-def _like(name:str, spec:str) -> bool:
-    "Whether control `name` has the settings of control `spec`, but perhaps another share `keep`"
-    (_, c0, a, ra), (_, c1, b, rb) = judged_method(name), judged_method(spec)
-    return c0 is c1 and ra == rb and {k: v for k, v in a.items() if k != 'keep'} == {k: v for k, v in b.items() if k != 'keep'}
-
-def _found_controls(runs:list) -> tuple:
-    "The shorter plain schedules among `runs`, and each method's controls among them, chosen again as `compare_filters` chose them"
-    names = list(dict.fromkeys(r['method'] for r in runs))
-    budgets = [m for m in names if m.startswith('baseline:epochs=')]
-    def found(m):
-        cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
-        at_work = [n for n in names if judged_method(n).run.get('same_work') == work_slug(m)]   # its plain and random runs at its own work
-        if not any(c.startswith('random') for c in cs):   # runs saved without the kept shares: the random control on the same settings
-            spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
-            like = [n for n in names if spec and _like(n, spec)]
-            if len(like) == 1: cs.insert(0, like[0])
-        return cs + at_work
-    of = {m: found(m) for m in names if judged_method(m).filters}
-    controls = set(control_specs(of))
-    return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
 
 def read_runs(path) -> list:
     "The runs saved in `path`: a folder with `runs.jsonl`, or a runs file (`.jsonl`, or gzipped `.jsonl.gz`)"
@@ -343,7 +221,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
     runs = [r for r in runs if not r.get('reference')]
     settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
     if score_cost is not None: settings |= dict(score_cost=score_cost, work=settings.get('work', 'recounted'))
-    budgets, control_of = _found_controls(runs)
+    budgets, control_of = found_controls(runs)
     return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
 
 def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict) -> dict|None:
@@ -391,33 +269,29 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     "Train the plain model and every method from the same seeds on Learners from `make_learner`, beside training less and random choice at each method's share, count their work exactly, and judge each at `alpha`: `print` the result"
     specs = _method_specs(methods, make_proxy, add_baseline)
     _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha, work, reference_seeds, folder)
-    budgets = budgets if isinstance(budgets, str) else ' '.join(str(b) for b in budgets)
-    plain = _plain_schedules(epochs, budgets) if controls else []
+    design = Design(specs, epochs, seeds, seed, repeats, budgets, controls, reference_seeds)   # what trains: every fit, the controls as they join
     metric, probe = _check_factory(make_learner, metric)
     check_executor(executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
     if target is None and not reference_seeds: target_drop = _target_drop(metric, target_drop, len(probe.dls.valid_ds))
     _warn_no_verdict(seeds, repeats, controls)
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
-                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets, score_cost=score_cost, alpha=alpha, work=work,
+                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets if isinstance(budgets, str) else ' '.join(map(str, budgets)), score_cost=score_cost, alpha=alpha, work=work,
                     reference_seeds=reference_seeds)
     done = _saved_runs(folder, settings, resume)
     saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
     settings |= _work_costs(probe, settings, saved, _proxy_widths(specs), make_proxy, seed)
     _save_settings(folder, settings)
     del probe
-    judged, ref_seeds = range(seed, seed + seeds), range(seed + seeds, seed + seeds + reference_seeds)
-    plan = comparison_plan(specs, judged, repeats, plain, ref_seeds)   # the fits known now; each method's controls join when its runs are in
     train = partial(train_fit, make_learner, epochs=epochs, lr=lr, fit=fit, metric=metric, sign=sign, evals_per_epoch=evals_per_epoch, check=check,
                     show_progress=show_fits, cbs=cbs, make_proxy=make_proxy, threads=threads or default_threads(executor),
                     warmup=warmup and not done)
-    n, fits = _fits_in_schedules(specs, plain, epochs, seeds, repeats, reference_seeds, controls)
-    ledger = _Ledger(folder, settings, n, fits, len(done), executor_workers(executor), show_progress and not show_fits, on_run)
-    results = run_plan(plan, train, executor, done, partial(_control_fits, seeds=judged, repeats=repeats) if controls else None,
+    ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(executor), show_progress and not show_fits, on_run)
+    results = run_plan(design.fits(), train, executor, done, design.then,
                        on_submit=ledger.submitted, on_result=ledger.finished,
                        fit_kwargs=partial(_diagnostics_of, folder=folder if diagnostics else None, seed=seed))
     ledger.close()
-    runs, refs, plain, control_of = _ordered(results, specs, judged, repeats, plain, ref_seeds, controls)
+    runs, refs, plain, control_of = design.ordered(results)
     if refs and target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
     _save_settings(folder, settings)
     return judge(runs, plain, control_of, settings, None if target is None else sign * target, target_drop)
@@ -432,16 +306,6 @@ def _method_specs(methods, make_proxy, add_baseline:bool) -> list:
 
 def _proxy_widths(specs:list) -> list: return sorted({m.proxy for m in map(parse_method, specs) if m.proxy is not None})
 
-def _plain_schedules(epochs:int, budgets:str) -> list:
-    "The other plain schedules `budgets` gives at `epochs`, with a warning where shares give the same schedule or the full one"
-    shares = budgets.split()
-    ks = [max(1, round(float(b) * epochs)) for b in shares]
-    lost = [f"{b} gives {k} epochs" + (' (the full schedule)' if k == epochs else ' (as another share)') for i, (b, k) in enumerate(zip(shares, ks))
-            if k == epochs or k in ks[:i]]
-    if lost: warnings.warn(f"`budgets` {budgets!r} at `epochs={epochs}` gives {len(set(ks) - {epochs})} other plain schedule(s), not {len(shares)}: "
-                           f"{'; '.join(lost)}; pass shares that give distinct schedules, or more `epochs`", stacklevel=3)
-    return budget_specs(epochs, budgets)
-
 def _work_costs(probe, settings:dict, saved:dict, widths:list, make_proxy, seed:int) -> dict:
     "A scored example's cost and each proxy width's: the saved runs' when resuming (their work stays on one scale), else counted (or timed) on `probe`"
     cost, work = saved.get('score_cost', settings['score_cost']), settings['work']
@@ -452,32 +316,10 @@ def _work_costs(probe, settings:dict, saved:dict, widths:list, make_proxy, seed:
 def _save_settings(folder:Path|None, settings:dict):
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
 
-def _controls_of(spec:str, runs:list) -> list:
-    "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself"
-    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c] + same_work_controls(spec, runs)
-
-def _control_fits(fit:Fit, results:dict, seeds:range, repeats:int) -> list:
-    "For `run_plan`: a method's controls on every seed, once all of its runs are in"
-    keys = [(fit.spec, sd, rep) for sd in seeds for rep in range(repeats)]
-    if fit.kind != 'method' or not all(k in results for k in keys): return []
-    def control(c:str, sd:int, rep:int) -> Fit:   # the plain model at a run's own work: one schedule over as many examples as that work in plain epochs
-        run, m = results[(fit.spec, sd, rep)], parse_method(c)
-        return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.cls is None and 'same_work' in m.run else None)
-    return [control(c, sd, rep) for sd in seeds for rep in range(repeats) for c in _controls_of(fit.spec, [results[k] for k in keys])]
-
 def _diagnostics_of(fit:Fit, folder:Path|None, seed:int) -> dict:
     "For `run_plan`: the folder of a filter's diagnostics figure, for each method's first run; the examples of a schedule cut to a run's work"
     cut = {} if fit.examples is None else dict(examples=fit.examples)
     return cut | (dict(diag=folder) if folder is not None and fit.kind == 'method' and fit.seed == seed and fit.repeat == 0 else {})
-
-def _ordered(results:dict, specs:list, judged:range, repeats:int, plain:list, ref_seeds:range, controls:bool) -> tuple:
-    "`(runs, reference runs, plain schedules, each method's controls)`, the runs in one order wherever they trained: seed by seed the methods, then seed by seed the plain schedules and the controls"
-    at = lambda names, seeds: [results[(s, sd, rep)] for sd in seeds for rep in range(repeats) for s in names]
-    methods = at(specs, judged)
-    control_of = {s: cs for s in specs if (cs := _controls_of(s, methods))} if controls else {}
-    plain = [b for b in plain if b not in specs]
-    others = plain + [c for c in control_specs(control_of) if c not in specs]
-    return methods + at(others, judged), at(['baseline'], ref_seeds), plain, control_of
 
 class _Ledger:
     "What this process does with each run as it comes back: its work counted, saved to `runs.jsonl`, counted on the bar; after the first, the time estimate"
@@ -509,14 +351,6 @@ class _Ledger:
 
     def close(self):
         if self.bar is not None: self.bar.total = self.n_done; self.bar.update(self.n_done)
-
-def _fits_in_schedules(specs:list, plain:list, epochs:int, seeds:int, repeats:int, reference_seeds:int, controls:bool) -> tuple:
-    "`(fits, full schedules)` a comparison trains, before its rate and self-scored controls: the methods, plain schedules and random controls on every seed, and the reference runs"
-    n_filters = sum(parse_method(s).filters for s in specs)   # each gets a random control
-    others = [p for p in plain if p not in specs] if controls else []
-    per_seed = len(specs) + len(others) + (n_filters if controls else 0)
-    sched = (sum(_epochs_of(s, epochs) for s in specs + others) / epochs + (n_filters if controls else 0))
-    return seeds * repeats * per_seed + reference_seeds * repeats, seeds * repeats * sched + reference_seeds * repeats
 
 def _costs(probe, work:str) -> dict:
     "A scored example's cost in training steps of `probe`'s model: counted in operations (`work='flops'`) and timed, both kept; the count falls back to the timing where it sees no operation"

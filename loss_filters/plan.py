@@ -4,15 +4,19 @@
 
 # %% ../nbs/05b_plan.ipynb #9ebca8e9
 from __future__ import annotations
-import multiprocessing, os, pickle, time
+import multiprocessing, os, pickle, statistics, time, warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import NamedTuple
 import torch
-from .runs import run_fit, StopAfter
+from fastcore.basics import store_attr
+from .batch import RandomBatchCallback
+from .sampler import SamplerPruningCallback, RandomPruningCallback
+from .runs import run_fit, StopAfter, judged_method, parse_method, work_slug, RetiredMethod, control_specs, BLIND
 
 # %% auto #0
-__all__ = ['Fit', 'comparison_plan', 'InlineExecutor', 'cores_each', 'fit_executor', 'executor_workers', 'default_threads',
-           'check_executor', 'train_fit', 'run_plan']
+__all__ = ['Fit', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls', 'same_work_of', 'rate_control',
+           'self_scored_control', 'controls_of', 'found_controls', 'Design', 'InlineExecutor', 'cores_each',
+           'fit_executor', 'executor_workers', 'default_threads', 'check_executor', 'train_fit', 'run_plan']
 
 # %% ../nbs/05b_plan.ipynb #3b303b18
 class Fit(NamedTuple):
@@ -21,16 +25,149 @@ class Fit(NamedTuple):
     @property
     def key(self) -> tuple: return (self.spec, self.seed, self.repeat)   # how saved runs are found again
 
-def comparison_plan(specs:list, # the methods, in order
-                    seeds:range, # the judged seeds
-                    repeats:int=1, # runs of every method and seed
-                    plain:list=(), # the other plain schedules (`baseline:epochs=k`), known before anything trains
-                    reference:range=range(0) # the reference seeds of the plain model
-                   ) -> list:
-    "The fits known before anything trains: the reference runs, then each seed's methods and plain schedules (seed by seed, so a cut-off plan has whole seeds)"
-    ref = [Fit('baseline', sd, rep, 'reference') for sd in reference for rep in range(repeats)]
-    return ref + [Fit(s, sd, rep, 'method' if s in specs else 'control') for sd in seeds for rep in range(repeats)
-                  for s in list(specs) + [p for p in plain if p not in specs]]
+# %% ../nbs/05b_plan.ipynb #e689155f
+def budget_specs(epochs:int, fracs:str|list='.5 .6 .7 .8 .9') -> list:
+    "The equal-compute control: the plain baseline on other one-cycle schedules, at these shares of `epochs` (above 1: longer, so the curve reaches past the full schedule)"
+    fracs = fracs.split() if isinstance(fracs, str) else list(fracs)
+    ks = sorted({max(1, round(float(f) * epochs)) for f in fracs})
+    return [f'baseline:epochs={k}' for k in ks if k != epochs]
+
+def plain_schedules(epochs:int, budgets:str|list) -> list:
+    "`budget_specs`, with a warning where shares give the same schedule or the full one"
+    shares = budgets.split() if isinstance(budgets, str) else [str(b) for b in budgets]
+    ks = [max(1, round(float(b) * epochs)) for b in shares]
+    lost = [f"{b} gives {k} epochs" + (' (the full schedule)' if k == epochs else ' (as another share)') for i, (b, k) in enumerate(zip(shares, ks))
+            if k == epochs or k in ks[:i]]
+    if lost: warnings.warn(f"`budgets` {' '.join(shares)!r} at `epochs={epochs}` gives {len(set(ks) - {epochs})} other plain schedule(s), not "
+                           f"{len(shares)}: {'; '.join(lost)}; pass shares that give distinct schedules, or more `epochs`", stacklevel=4)
+    return budget_specs(epochs, shares)
+
+def _judged_filter(m) -> bool:
+    "Whether a method chooses its examples (gets controls): not the plain model, random choice, or a method this version no longer has"
+    return m.cls is not None and not issubclass(m.cls, (RandomPruningCallback, RandomBatchCallback, RetiredMethod))
+
+def matched_control(spec:str, runs:list) -> str|None:
+    "The random control at the share `spec`'s runs really kept, with the same rate raise: `random` for a sampler pruner, `random_batch` for a batch filter"
+    m = judged_method(spec)
+    if not _judged_filter(m): return None
+    rs, cb = [r for r in runs if r['method'] == spec], m.cls(**m.kw)
+    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k != 'proxy')   # the method's own run settings (epochs, rate); the choice is blind, so no proxy
+    if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
+        shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
+        raise_lr = ',lr_scale=1' if getattr(cb, 'lr_scale', False) else ''
+        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}{raise_lr}{sched}" if shares else None
+    shares = [k for r in rs for _, k in r.get('kept', [])]   # the share of each batch it filtered, on its own schedule
+    if not shares: return None
+    return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"
+            f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}{sched}")
+
+def same_work_controls(spec:str, runs:list) -> list:
+    "The two simple alternatives at `spec`'s own work, a user's without the package: the plain model trained for exactly each run's work (`baseline:same_work=...`: one schedule over as many examples), and random choice at equal work (the plain model at the smaller batch that spends the method's mean work in its steps; none where that batch would not be smaller)"
+    m = judged_method(spec)
+    if not _judged_filter(m): return []
+    rs = [r for r in runs if r['method'] == spec and r.get('work') is not None]
+    if not rs: return []
+    tag, rate = f"same_work={work_slug(spec)}", ''.join(f",lr_mult={v}" for k, v in m.run.items() if k == 'lr_mult')
+    keep = statistics.fmean(r['work'] / r['epochs'] for r in rs)   # the share of each of its batches that spends its work
+    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k in ('epochs', 'lr_mult'))
+    return [f"baseline:{tag}{rate}"] + ([f"random_batch:keep={keep:.3f}{sched},{tag}"] if keep < 1 else [])
+
+def same_work_of(method:str, controls:list) -> tuple:
+    "`(plain, random)`: `method`'s controls at its own work among `controls` (None where one is missing)"
+    mine = [m for m in map(judged_method, controls) if m.run.get('same_work') == work_slug(method)]
+    return (next((c.spec for c in mine if c.cls is None), None), next((c.spec for c in mine if c.cls is not None), None))
+
+def rate_control(spec:str, runs:list) -> str|None:
+    "The plain baseline at the mean rate multiplier `spec`'s filter applied, for a filter that changes the learning rate; else None"
+    m = judged_method(spec)
+    mults = [r['lr_mult'] for r in runs if r['method'] == spec and 'lr_mult' in r]
+    if m.cls is None or not mults or abs(statistics.fmean(mults) - 1) < 1e-3: return None   # a plain run's own rate is no change
+    return f"baseline:lr_mult={statistics.fmean(mults) * m.run.get('lr_mult', 1):.3f}" + (f",epochs={m.run['epochs']}" if 'epochs' in m.run else '')
+
+def self_scored_control(spec:str) -> str|None:
+    "For a method scored by a proxy (`blf:proxy=.25`), the same filter scored by the model itself (`blf`); else None"
+    m = judged_method(spec)
+    own = m.without('proxy', 'train_every')
+    return None if own == m.without() else own
+
+def controls_of(spec:str, runs:list) -> list:
+    "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself, and the two alternatives at its own work"
+    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c] + same_work_controls(spec, runs)
+
+def _like(name:str, spec:str) -> bool:
+    "Whether control `name` has the settings of control `spec`, but perhaps another share `keep`"
+    a, b = judged_method(name), judged_method(spec)
+    return a.cls is b.cls and a.run == b.run and {k: v for k, v in a.kw.items() if k != 'keep'} == {k: v for k, v in b.kw.items() if k != 'keep'}
+
+def found_controls(runs:list) -> tuple:
+    "`(plain schedules, each method's controls)` among saved `runs`, chosen again as `Design` chose them: the other plain schedules are the `baseline:epochs=` runs"
+    names = list(dict.fromkeys(r['method'] for r in runs))
+    budgets = [m for m in names if m.startswith('baseline:epochs=')]
+    def found(m):
+        cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
+        at_work = [n for n in names if judged_method(n).run.get('same_work') == work_slug(m)]   # its plain and random runs at its own work
+        if not any(judged_method(c).name in BLIND for c in cs):   # runs saved without the kept shares: the random control on the same settings
+            spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
+            like = [n for n in names if spec and _like(n, spec)]
+            if len(like) == 1: cs.insert(0, like[0])
+        return cs + at_work
+    of = {m: found(m) for m in names if judged_method(m).filters}
+    controls = set(control_specs(of))
+    return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
+
+# %% ../nbs/05b_plan.ipynb #682d2fe8
+class Design:
+    "What a comparison trains: the methods, the judged and reference seeds, the repeats and the plain schedules, known before anything trains; each method's controls, added once its runs are in. It knows every fit's kind, their order and their count"
+    def __init__(self, specs:list, # the methods, in order (the plain model among them)
+                 epochs:int=5, # epochs of the full schedule (a method's own `epochs=` overrides it)
+                 seeds:int=3, # judged seeds: `seed`, `seed+1`, ...
+                 seed:int=0, # the first seed
+                 repeats:int=1, # runs of every method and seed
+                 budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules
+                 controls:bool=True, # train the other plain schedules and each method's controls
+                 reference_seeds:int=0): # plain full-schedule runs on further seeds, never judged (they fix the target)
+        store_attr()
+        self.specs = list(specs)
+        self.judged, self.reference = range(seed, seed + seeds), range(seed + seeds, seed + seeds + reference_seeds)
+        self.plain = plain_schedules(epochs, budgets) if controls else []   # the other plain schedules, some perhaps among the methods
+
+    @property
+    def others(self) -> list: return [p for p in self.plain if p not in self.specs]   # the plain schedules trained as controls
+
+    def fits(self) -> list:
+        "The fits known before anything trains: the reference runs, then each seed's methods and plain schedules (seed by seed, so a cut-off plan has whole seeds)"
+        ref = [Fit('baseline', sd, rep, 'reference') for sd in self.reference for rep in range(self.repeats)]
+        return ref + [Fit(s, sd, rep, 'method' if s in self.specs else 'control') for sd in self.judged for rep in range(self.repeats)
+                      for s in self.specs + self.others]
+
+    def _keys(self, spec:str) -> list: return [(spec, sd, rep) for sd in self.judged for rep in range(self.repeats)]
+
+    def then(self, fit:Fit, results:dict) -> list:
+        "For `run_plan`: a method's controls on every seed, once all of its runs are in; the plain model at a run's own work is one schedule over as many examples as that work in plain epochs"
+        keys = self._keys(fit.spec)
+        if not self.controls or fit.kind != 'method' or not all(k in results for k in keys): return []
+        def control(c:str, sd:int, rep:int) -> Fit:
+            run, m = results[(fit.spec, sd, rep)], parse_method(c)
+            return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.cls is None and 'same_work' in m.run else None)
+        return [control(c, sd, rep) for sd in self.judged for rep in range(self.repeats) for c in controls_of(fit.spec, [results[k] for k in keys])]
+
+    def ordered(self, results:dict) -> tuple:
+        "`(runs, reference runs, plain schedules, each method's controls)`, the runs in one order wherever they trained: seed by seed the methods, then seed by seed the plain schedules and the controls"
+        at = lambda names, seeds: [results[(s, sd, rep)] for sd in seeds for rep in range(self.repeats) for s in names]
+        methods = at(self.specs, self.judged)
+        control_of = {s: cs for s in self.specs if (cs := controls_of(s, methods))} if self.controls else {}
+        others = self.others + [c for c in control_specs(control_of) if c not in self.specs]
+        return methods + at(others, self.judged), at(['baseline'], self.reference), self.others, control_of
+
+    def count(self) -> tuple:
+        "`(fits, full schedules)` the comparison trains, before its rate and self-scored controls: the methods and plain schedules on every seed, each filter's three controls (random choice at its share, the plain model and random choice at its work, each counted at most the method's schedule), and the reference runs"
+        ms = [parse_method(s) for s in self.specs]
+        share = lambda m: m.epochs(self.epochs) / self.epochs
+        filters = [m for m in ms if _judged_filter(m)] if self.controls else []
+        per_seed = len(self.specs) + len(self.others) + 3 * len(filters)
+        sched = sum(map(share, ms)) + sum(share(parse_method(p)) for p in self.others) + 3 * sum(map(share, filters))
+        n = self.seeds * self.repeats
+        return n * per_seed + self.reference_seeds * self.repeats, n * sched + self.reference_seeds * self.repeats
 
 # %% ../nbs/05b_plan.ipynb #a6584f0b
 class _Done:

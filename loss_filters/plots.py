@@ -6,44 +6,23 @@
 from __future__ import annotations
 import math
 from pathlib import Path
-from .runs import judged_method
-from .verdicts import control_specs
+from .runs import judged_method, control_specs
+from .report import metric_label, short_label
 
 # %% auto #0
-__all__ = ['short_label', 'metric_label', 'plot_colors', 'plain_markers', 'budget_figure', 'time_figure', 'kept_figure',
-           'save_figure', 'plot_results', 'plot_budget']
+__all__ = ['plot_colors', 'plain_markers', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure', 'plot_results',
+           'plot_budget']
 
 # %% ../nbs/07_plots.ipynb #479eaf27
 def _plt():
     import matplotlib.pyplot as plt
     return plt
 
-def _method(spec:str):
-    "`spec` parsed once (`judged_method`), or None for a spelling no version of the package knows"
-    try: return judged_method(spec)
-    except (ValueError, TypeError): return None
-
-def short_label(spec:str) -> str:
-    "A legend's name for a method spec: the random controls, the plain model's other schedules and the alternatives at a method's own work said in words, the rest as spelled"
-    m = _method(spec)
-    if m is None: return spec
-    at = f" at {m.run['same_work'].replace('/', ':').replace('+', ',')}'s work" if 'same_work' in m.run else ''   # `work_slug` read back
-    if m.name in ('random_batch', 'random'):
-        return f"random choice, keep {float(m.kw.get('keep', 0)):.2f}" + (', full batches' if m.kw.get('fill_batch') in (1, True) else '') + at
-    if m.name == 'baseline' and at: return 'plain' + at
-    if m.name == 'baseline' and set(m.run) == {'epochs'}: return f"plain, {m.run['epochs']} epoch{'' if m.run['epochs'] == 1 else 's'}"
-    if m.name == 'baseline' and 'lr_mult' in m.run: return f"plain, rate x{float(m.run['lr_mult']):.2f}"
-    return spec
-
 def _axes(ax, size):
     "`ax`, or the axes of a new figure of `size`"
     return ax if ax is not None else _plt().subplots(figsize=size)[1]
 
 _PALETTE = ['tab:orange', 'tab:green', 'tab:red', 'tab:purple', 'tab:brown', 'tab:pink', 'tab:olive', 'tab:cyan', 'tab:blue']
-
-def metric_label(name:str) -> str:
-    "A metric's name as a reader reads it: fastai's `_rmse` is `rmse`"
-    return name.lstrip('_') or name
 
 def plot_colors(names:list, control_of:dict|None=None) -> dict:
     "A colour per method, for every figure of a comparison: the plain model black, each other schedule its own grey (lighter the shorter), each method its own colour (none near black), each control its method's"
@@ -59,7 +38,8 @@ def plot_colors(names:list, control_of:dict|None=None) -> dict:
 
 def _epochs_in(m:str) -> float:
     "The `epochs=` of a method's spelling (`baseline:epochs=3` -> 3); infinity where it has none"
-    e = getattr(_method(m), 'run', {}).get('epochs')
+    try: e = judged_method(m).run.get('epochs')
+    except (ValueError, TypeError): e = None   # a spelling no version of the package knows
     return float(e) if e else math.inf
 
 _PLAIN_MARKERS = 'sv^<>DPXh'   # one per other plain schedule, in order of length

@@ -18,10 +18,10 @@ from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'Method', 'parse_method', 'RetiredMethod', 'judged_method',
-           'lower_is_better', 'metric_sign', 'sync_device', 'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders',
-           'run_fit', 'CutSchedule', 'seeded_proxy', 'time_to_target', 'add_work', 'timed', 'StopAfter',
-           'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'control_specs', 'work_slug', 'Method', 'parse_method',
+           'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device', 'fit_scored',
+           'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule', 'seeded_proxy', 'time_to_target',
+           'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs']
 
 # %% ../nbs/05_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -34,6 +34,15 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
 DEFAULT_METHODS = 'baseline blf sb stale'
 RUN_SETTINGS = ('epochs', 'lr_mult', 'same_work')   # settings of the run, not of a callback: allowed on every method, the baseline too
 # `same_work=<method>`: a control trained at that method's own work (`work_slug` spells the method), which the comparison adds
+
+def control_specs(control_of:dict) -> list:
+    "Every control of `control_of` (method -> its controls), once each, in order; a method judged in its own right (one with controls) is not one"
+    methods = {m for m, cs in control_of.items() if cs}
+    return list(dict.fromkeys(c for cs in control_of.values() for c in cs if c not in methods))
+
+def work_slug(spec:str) -> str:
+    "`spec` spelled to sit inside another spec's settings: `'topk:proxy=.25,keep=.3'` -> `'topk/proxy=.25+keep=.3'`"
+    return str(spec).replace(':', '/').replace(',', '+')
 
 def _value(s:str):
     if s in ('True', 'False'): return s == 'True'
@@ -50,8 +59,16 @@ class Method(NamedTuple):
     @property
     def filters(self) -> bool: return self.cls is not None   # trains with a filter or a random control
     @property
+    def batch(self) -> bool: return self.cls is not None and issubclass(self.cls, LossFilterCallback)   # chooses within each batch
+    @property
     def proxy(self) -> float|None: return self.run.get('proxy')   # the proxy's width share, when a proxy scores
     def epochs(self, default:int) -> int: return self.run.get('epochs', default)
+    @property
+    def at_work_of(self) -> str|None: return self.run.get('same_work', '').replace('/', ':').replace('+', ',') or None   # a control at that method's work: the method (`work_slug` read back)
+    def without(self, *keys) -> str:
+        "The spec with the settings `keys` left out, the others as written: `'blf:proxy=.25,min_loss_perc=.95'` without `proxy` is `'blf:min_loss_perc=.95'`"
+        args = [a for a in self.spec.partition(':')[2].split(',') if a.strip() and a.split('=', 1)[0].strip() not in keys]
+        return self.name + (':' + ','.join(a.strip() for a in args) if args else '')
     def __str__(self) -> str: return self.spec
 
 def parse_method(spec:str|Method) -> Method:
@@ -255,7 +272,7 @@ BLIND = ('random', 'random_batch')   # the controls that choose at random: their
 
 def add_work(run:dict, score_cost:float, proxy_cost:dict|None=None) -> dict:
     "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained); a random control is charged its training only"
-    if run['method'].partition(':')[0] in BLIND: score_cost, proxy_cost = 0., None   # it may score for its records, but random choice needs no score
+    if judged_method(run['method']).name in BLIND: score_cost, proxy_cost = 0., None   # it may score for its records, but random choice needs no score
     pc = proxy_cost or dict(score=0., step=0.)
     if (run.get('proxy_scored') or run.get('proxy_trained')) and proxy_cost is None and score_cost:
         raise ValueError(f"the run of {run['method']!r} used a proxy: its work needs `proxy_cost`")

@@ -3,8 +3,8 @@ import json, math, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from fastai.basics import Callback
-from loss_filters.bench import lf_bench, summarise, format_table, time_to_target, parse_method
-from loss_filters.verdicts import _cols, budget_specs
+from loss_filters.bench import lf_bench; from loss_filters.verdicts import summarise; from loss_filters.report import format_table; from loss_filters.runs import time_to_target, parse_method
+from loss_filters.report import _cols; from loss_filters.plan import budget_specs
 
 
 @pytest.fixture(scope='module')
@@ -114,7 +114,7 @@ def test_console_script_exits_zero(tmp_path):
     assert 'at equal work' in r.stdout and 'an alternative needs' in r.stdout and 'in seconds' in r.stdout and (tmp_path / 'results.json').exists()
     assert 'torch.jit' not in r.stdout + r.stderr   # a dependency's deprecation warning a user cannot act on stays out of its first lines
     assert 'counted in operations' in r.stdout
-    assert 'final_accuracy' in (tmp_path / 'table.txt').read_text() and str(tmp_path / 'table.txt') in r.stdout   # the wide table in its file
+    assert 'final_accuracy' in (tmp_path / 'summary.txt').read_text() and str(tmp_path / 'summary.txt') in r.stdout   # the wide table in its file
 
 @pytest.mark.parametrize('spec', ['blf:skip_epochs=0', 'sb:start=0,interrupt=0'])   # sb draws from the global RNG
 def test_checks_inside_epochs_leave_training_untouched(spec):
@@ -177,7 +177,7 @@ def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     saved = json.loads((out / 'results.json').read_text())
     assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2 and saved['augment'] is False
     assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3', 'baseline:epochs=5']   # .6, .75, .9 and 1.25 of 4 epochs
-    ctl = saved['controls']['random']
+    ctl = saved['controls']['of']
     assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and all('same_work=stale' in c for c in ctl['stale'][1:])
     assert ctl['stale'][1] == 'baseline:same_work=stale'   # the plain model at its own work joins every method's controls
     assert ctl['stale'][0].startswith('random:keep=') and 'lr_scale' not in ctl['stale'][0]
@@ -269,7 +269,7 @@ def test_every_methods_first_epoch_trains_the_plain_models_batches(digits64, spe
 
 def test_work_counts_every_trained_example_exactly(digits64):
     "A plain epoch is one unit of work; a batch control keeping 32 of every 64 in its filtered epoch adds exactly that share"
-    from loss_filters.bench import run_method, add_work
+    from loss_filters.bench import run_method; from loss_filters.runs import add_work
     from loss_filters.stale import plain_epoch_size
     dl = digits64.train
     n_b, plain = len(dl), plain_epoch_size(dl.n, dl.bs, dl.drop_last)
@@ -286,7 +286,7 @@ def test_work_counts_every_trained_example_exactly(digits64):
     assert scored['trained'] == half['trained'] and scored['scored'] == 64 * n_b and scored['work'] == half['work']
 
 def test_a_pruned_epoch_s_work_is_its_kept_share(digits64):
-    from loss_filters.bench import run_method, add_work
+    from loss_filters.bench import run_method; from loss_filters.runs import add_work
     r = add_work(run_method(digits64, 'random:keep=.5,anneal=0', epochs=3, show_progress=False), score_cost=.25)
     h = r['history']
     assert h[0]['work'] == 1. and r['scored'] == 0
@@ -307,7 +307,7 @@ def test_paired_ratios_pair_each_run_with_its_own_seed_s_baseline():
     assert st['total_x'] == pytest.approx(gm) and st['work_x_test']['n'] == 3
 
 def test_cheapest_plain_schedule_interpolates_the_budget_curve():
-    from loss_filters.bench import best_plain, add_verdicts
+    from loss_filters.verdicts import best_plain, add_verdicts
     row = lambda m, w, t, a, wt=None, ts=None: dict(method=m, work=w, train_s=t, final_accuracy=a, work_to_target=wt, target_s=ts)
     rows = [row('baseline', 10., 100., .90, 9., 90.), row('baseline:epochs=5', 5., 50., .86), row('baseline:epochs=7', 7., 70., .89),
             row('hide', 8., 60., .90, 6., 45.)]
@@ -321,7 +321,7 @@ def test_cheapest_plain_schedule_interpolates_the_budget_curve():
     assert best_plain(rows, ['baseline:epochs=5'], .895) == dict(work=None, train_s=None)   # no plain schedule reaches it
 
 def test_rate_changing_methods_get_rate_matched_controls():
-    from loss_filters.bench import matched_control, rate_control
+    from loss_filters.plan import matched_control, rate_control
     runs = [dict(method='hide', lr_mult=1.3, history=[dict(samp_perc=1.), dict(samp_perc=.7), dict(samp_perc=.8)], kept=[]),
             dict(method='hide', lr_mult=1.2, history=[dict(samp_perc=1.), dict(samp_perc=.75)], kept=[])]
     assert matched_control('hide', runs) == 'random:keep=0.750,anneal=0.125,lr_scale=1'
@@ -383,14 +383,14 @@ def test_a_shortened_aug_preset_runs_with_its_controls(tmp_path):
     res = lf_bench(data='digits', preset='aug', epochs=3, n_train=400, n_valid=200, bs=64, methods='baseline stale', score_cost=.3,
                    out=str(tmp_path), quiet=True)
     assert res['preset'] == 'aug' and res['augment'] is True and res['epochs'] == 3 and res['lr'] == 4.8e-2
-    assert res['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=4'] and list(res['controls']['random']) == ['stale']
+    assert res['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=4'] and list(res['controls']['of']) == ['stale']
     methods = [r['method'] for r in res['summary']]
     assert methods[:4] == ['baseline', 'stale', 'baseline:epochs=2', 'baseline:epochs=4'] and methods[4].startswith('random:')
     assert (tmp_path / 'accuracy_vs_budget.png').stat().st_size > 0
 
 def test_a_seed_whose_plain_schedules_miss_the_target_counts_their_longest_cost_as_a_lower_bound():
     "Paired by seed against the cheapest plain schedule: where none of a seed's plain runs gets there, the longest one's cost stands in"
-    from loss_filters.bench import add_verdicts
+    from loss_filters.verdicts import add_verdicts
     mk = lambda m, sd, accs, w: dict(method=m, seed=sd, repeat=0, epochs=len(accs), train_s=10. * len(accs), wall_s=10. * len(accs),
                                      final_accuracy=accs[-1], mean_samp_perc=.5, work=w * len(accs), lr_mult=1.,
                                      history=[dict(train_s=10. * (i + 1), accuracy=a, work=w * (i + 1)) for i, a in enumerate(accs)])

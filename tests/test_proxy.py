@@ -6,7 +6,7 @@ from loss_filters.core import select_top_k, take
 from loss_filters.proxy import ProxyScorer
 from loss_filters.batch import TopLossCallback, BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, LossFilterBase
 from loss_filters.runs import parse_method, run_fit, add_work, seeded_proxy
-from loss_filters.verdicts import self_scored_control, control_specs
+from loss_filters.plan import self_scored_control; from loss_filters.runs import control_specs
 import loss_filters.batch as lf_batch
 from conftest import make_dls, BatchSpy
 

@@ -5,6 +5,7 @@ from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
 from fastai.metrics import accuracy, error_rate
 from loss_filters.compare import compare_filters, load_comparison
 from conftest import make_dls
+from loss_filters.report import full_text, brief_table
 
 @pytest.fixture(scope='module')
 def dls(digits): return make_dls(*digits, bs=64)
@@ -21,7 +22,7 @@ def test_what_is_printed_first_fits_a_terminal_and_names_the_metric(err_cmp):
     assert max(len(l) for l in text.splitlines()) <= 100 and 'blf' in text and 'cmp.table' in text
 
 def test_a_lower_is_better_metric_is_printed_under_its_own_name_and_units(err_cmp):
-    text = err_cmp.full_text()
+    text = full_text(err_cmp)
     assert 'final_error_rate' in text and 'final_accuracy' not in text and 'lower is better' in text
     header, base = text.splitlines()[1:3]
     value = float(base[header.index('final_error_rate'):].split()[0])
@@ -30,7 +31,7 @@ def test_a_lower_is_better_metric_is_printed_under_its_own_name_and_units(err_cm
 def test_every_printout_gives_a_difference_the_same_sign(err_cmp):
     r = next(r for r in err_cmp.rows if r['method'] == 'blf')
     want = f"{r['vs_plain']['diff'] * 100:+.2f}"
-    assert want in err_cmp.brief() and want in '\n'.join(err_cmp.verdicts)
+    assert want in brief_table(err_cmp) and want in '\n'.join(err_cmp.verdicts)
     assert err_cmp.table.loc['blf', 'vs_random'].split()[0] == f"{r['vs_random']['diff'] * 100:+.2f}"
 
 def test_a_factory_that_brings_a_filter_is_refused(dls):
@@ -45,7 +46,7 @@ def test_methods_as_a_list_and_a_folder_that_is_a_file(dls, tmp_path):
     with pytest.raises(ValueError, match='`folder` must be a folder'): compare_filters(make, 'baseline blf', folder=f, show_progress=False)
 
 def test_the_time_estimate_says_what_it_counts():
-    from loss_filters.compare import estimate_text
+    from loss_filters.report import estimate_text
     t = estimate_text(.4, 12.3)
     assert 'about 12 more such fits' in t and 'about 4.9 s' in t and '0.4 s' in t and 'about 0 s' not in t
 
@@ -70,7 +71,7 @@ def test_the_comparisons_figure_is_one_picture_a_reader_can_read(err_cmp):
     assert all(any(t.startswith('target ') for t in ax.get_legend_handles_labels()[1]) for ax in (top, bottom))   # the target in both panels
 
 def test_short_labels_say_the_controls_in_words():
-    from loss_filters.plots import short_label
+    from loss_filters.report import short_label
     assert short_label('random_batch:keep=0.557,start=0,end=1,interrupt=0,skip_epochs=1,fill_batch=0') == 'random choice, keep 0.56'
     assert short_label('baseline:epochs=7') == 'plain, 7 epochs' and short_label('blf:proxy=.25') == 'blf:proxy=.25'
     assert short_label('baseline:same_work=topk/proxy=.25') == "plain at topk:proxy=.25's work"   # the alternatives at a method's own work
@@ -79,7 +80,7 @@ def test_short_labels_say_the_controls_in_words():
 def test_the_defaults_agree_with_each_other():
     "The default `budgets` give four distinct plain schedules at the default 5 epochs, without a warning"
     import inspect, warnings
-    from loss_filters.compare import _plain_schedules
+    from loss_filters.plan import plain_schedules as _plain_schedules
     budgets, epochs = (inspect.signature(compare_filters).parameters[k].default for k in ('budgets', 'epochs'))
     with warnings.catch_warnings():
         warnings.simplefilter('error')

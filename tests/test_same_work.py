@@ -4,7 +4,7 @@ from fastai.basics import Learner, CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from loss_filters.runs import run_fit
 from loss_filters.compare import compare_filters, judge
-from loss_filters.verdicts import same_work_controls, same_work_of, seconds_unread
+from loss_filters.plan import same_work_controls, same_work_of; from loss_filters.verdicts import seconds_unread
 from conftest import make_dls, mlp
 
 @pytest.fixture(scope='module')

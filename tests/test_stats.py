@@ -3,7 +3,7 @@ import math, statistics
 import numpy as np
 import pytest
 from loss_filters.stats import paired_test, shown, power, seeds_needed, simulate, TYPICAL_LOG_SD
-from loss_filters.verdicts import summarise, add_verdicts, payoff_line, payoff_word, method_note
+from loss_filters.verdicts import summarise, add_verdicts, payoff_word; from loss_filters.report import payoff_line, method_note
 
 pytestmark = pytest.mark.fastai_neutral
 
@@ -116,7 +116,7 @@ def test_a_method_random_choice_at_its_share_matches_does_not_pay():
     assert 'random choice at its share (the plain model at a smaller batch)' in payoff_line(r) and 'above training less' in method_note(r)
     assert r['vs_budget']['best_by'] == 'random:keep=.5' and r['vs_budget']['best_x'] == pytest.approx(1., abs=.02)   # the better alternative: level with it
     del r['vs_random']   # no random control run: the other alternative is missing, so no verdict, not "pays"
-    assert payoff_word(r) == 'no verdict (no random control)' and 'random choice at its share was not run' in payoff_line(r)
+    assert payoff_word(r) == 'no verdict (no random control)' and 'random choice at its share, the other simple alternative, was not run' in payoff_line(r)
 
 def test_too_few_seeds_say_how_many_would():
     r = _judged([1.2] * 3, finals=[.885, .871, .881])   # the curve at 2.5 plain epochs is .875: +0.4 points, spread 0.7
@@ -133,7 +133,7 @@ def test_a_loss_is_said_at_its_level():
 
 def test_a_method_beyond_the_longest_plain_schedule_gets_no_first_reading():
     line = payoff_line(_judged([.8, .82, .79], longer=None), True)   # more work than the full schedule, and no longer one was run
-    assert line.startswith('stale: no verdict: its work lies outside the plain schedules') and 'add shorter or longer budgets' in line
+    assert line.startswith('stale: no verdict: its work lies outside the plain schedules') and 'add shorter or longer `budgets`' in line
 
 def test_equal_work_verdict_does_not_use_the_target():
     "Seed by seed, the final value against the same seed's plain curve at the method's work: moving the target leaves it alone"

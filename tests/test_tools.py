@@ -6,6 +6,7 @@ import torch
 from fastai.basics import Callback, Learner, CrossEntropyLossFlat, accuracy, set_seed
 from loss_filters.all import *
 from conftest import make_dls, mlp, BatchSpy
+from loss_filters.report import payoff_lines
 
 pytestmark = pytest.mark.tooling   # run once, in the first pass (conftest.py)
 
@@ -64,7 +65,7 @@ def test_saved_runs_are_read_gzipped(tmp_path, capsys):
     assert (tmp_path / 'p.png').stat().st_size > 1000 and 'plateau from' in capsys.readouterr().out
     cmp = load_comparison(runs_dir / 'long_preset_runs.jsonl.gz')
     assert cmp.settings['seeds'] == 3 and set(cmp.control_of) == {'blf', 'sb', 'stale', 'hide'}
-    assert all(' (3 seeds)' in l or ' of 3 runs' in l for l in cmp.payoffs())
+    assert all(' (3 seeds)' in l or ' of 3 runs' in l for l in payoff_lines(cmp))
 
 def _gradmatch():
     path = Path(__file__).resolve().parent.parent / 'tools' / 'gradmatch.py'

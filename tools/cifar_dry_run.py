@@ -23,7 +23,7 @@ from loss_filters.batch import RandomBatchCallback
 from loss_filters.core import should_select
 from loss_filters.data import cifar10_dls, cifar10_setting, make_cifar_like
 from loss_filters.runs import learner_score_cost, parse_method, sync_device
-from loss_filters.verdicts import budget_specs
+from loss_filters.plan import budget_specs
 
 
 def parse_args(argv=None):
