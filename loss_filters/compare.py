@@ -276,8 +276,8 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     _warn_no_verdict(seeds, repeats, controls)
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
     settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
-                    evals_per_epoch=evals_per_epoch, controls=controls, budgets=budgets if isinstance(budgets, str) else ' '.join(map(str, budgets)), score_cost=score_cost, alpha=alpha, work=work,
-                    reference_seeds=reference_seeds)
+                    evals_per_epoch=evals_per_epoch, controls=controls, score_cost=score_cost, alpha=alpha, work=work, reference_seeds=reference_seeds,
+                    budgets=budgets if isinstance(budgets, str) else ' '.join(map(str, budgets)))   # saved as the user spelled them
     done = _saved_runs(folder, settings, resume)
     saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
     settings |= _work_costs(probe, settings, saved, _proxy_widths(specs), make_proxy, seed)

@@ -23,7 +23,7 @@ def _gmean(xs):
     xs = [x for x in xs if x is not None and x > 0]
     return (math.exp(statistics.fmean(math.log(x) for x in xs)), max(xs) - min(xs)) if xs else (None, None)
 
-def _pair(r:dict): return (r.get('seed'), r.get('repeat'))
+def _seed_repeat(r:dict): return (r.get('seed'), r.get('repeat'))
 
 def _ratio(a, b): return a / b if a is not None and b else None
 
@@ -54,9 +54,9 @@ def summarise(runs:list, target:float|None=None, target_drop:float|None=None, al
     for r in runs:
         r['target_s'] = time_to_target(r['history'], target)
         r['work_to_target'] = time_to_target(r['history'], target, 'work') if 'work' in r else None
-    by_seed = {_pair(r): r for r in base}
+    by_seed = {_seed_repeat(r): r for r in base}
     for r in runs:   # paired: each run against the baseline of its own seed (and repeat), run back to back with it; never another seed's
-        b = by_seed.get(_pair(r))
+        b = by_seed.get(_seed_repeat(r))
         for k, f in _paired.items(): r[k] = _ratio(b.get(f), r.get(f)) if b else None
     rows = []
     for m in methods:
@@ -69,7 +69,7 @@ def summarise(runs:list, target:float|None=None, target_drop:float|None=None, al
         row['work_x_test'] = paired_test(wx, alpha, ratio=True) if None not in wx else None
         row['work_x_ci'] = _ci(row['work_x_test'])
         row['reached'] = sum(r['target_s'] is not None for r in rs)
-        row['unpaired'] = sum(_pair(r) not in by_seed for r in rs)   # runs with no baseline of their own seed: no paired ratio, so no test
+        row['unpaired'] = sum(_seed_repeat(r) not in by_seed for r in rs)   # runs with no baseline of their own seed: no paired ratio, so no test
         row['never_filtered'] = judged_method(m).filters and all(r['mean_samp_perc'] >= 1 for r in rs)
         rows.append(row)
     return rows, target
@@ -139,7 +139,7 @@ def _interp(curve:list, t:float) -> tuple:
 
 def _own_value(run:dict, runs:list, plain:list):
     "The plain value at `run`'s work read off its own seed's plain runs (interpolated between two schedules); None where they do not span its work"
-    own = sorted((x['work'], x['final_accuracy'], 0.) for x in runs if _pair(x) == _pair(run) and x['method'] in plain and x.get('work') is not None)
+    own = sorted((x['work'], x['final_accuracy'], 0.) for x in runs if _seed_repeat(x) == _seed_repeat(run) and x['method'] in plain and x.get('work') is not None)
     return _interp(own, run['work'])[0] if len(own) > 1 else None
 
 def random_points(runs:list) -> list:
@@ -237,7 +237,7 @@ def _vs_best_plain_by_seed(r:dict, runs:list, plain:list, target:float):
     "The method's ratios to the cheapest plain schedule of each seed, in work and in time, and whether each seed's is censored (the method missed the target: its ratio is at most the one shown)"
     work, time_, missed = [], [], []
     for run in (x for x in runs if x['method'] == r['method']):
-        mine = [x for x in runs if _pair(x) == _pair(run)]
+        mine = [x for x in runs if _seed_repeat(x) == _seed_repeat(run)]
         best = best_plain(mine, plain, target)
         if best['work'] is None:   # no plain schedule of this seed got there: its longest one's cost is a lower bound
             longest = max((x for x in mine if x['method'] in plain and x.get('work') is not None), key=lambda x: x['work'], default=None)
@@ -260,7 +260,7 @@ def _paired_diffs(m:str, other, runs:list) -> list:
     "Per seed, the final value of `m`'s run minus `other(run, same_seed_runs)` (None where there is none)"
     out = []
     for run in (x for x in runs if x['method'] == m):
-        o = other(run, [x for x in runs if _pair(x) == _pair(run)])
+        o = other(run, [x for x in runs if _seed_repeat(x) == _seed_repeat(run)])
         out.append((run.get('seed'), None if o is None else run['final_accuracy'] - o))
     return per_seed(out, ratio=False)
 
