@@ -4,11 +4,12 @@
 
 # %% ../nbs/08_compare.ipynb #64689ed7
 from __future__ import annotations
-import json, os, platform, sys, time, warnings
+import inspect, json, os, platform, sys, time, warnings
 from functools import partial
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
+from fastcore.meta import delegates
 from fastai.basics import Learner
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
@@ -120,21 +121,13 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
     if metric not in names: raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
     return metric, a
 
-def _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha=.05, work='flops', reference_seeds=0, folder=None):
+def _check_settings(evals_per_epoch, check, score_cost, alpha=.05, work='flops', folder=None):
+    "Raise, naming the argument, before anything trains (the design's own arguments are checked by `Design`)"
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
-    for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch).items():
-        if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
+    if not isinstance(evals_per_epoch, int) or evals_per_epoch < 1: raise ValueError(f"`evals_per_epoch` must be an integer >= 1, got {evals_per_epoch!r}")
     if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
-    for f in (budgets.split() if isinstance(budgets, str) else budgets):
-        try: v = float(f)
-        except (TypeError, ValueError): v = None
-        if v is None or not 0 < v <= 4 or v == 1:
-            raise ValueError(f"`budgets` must be shares of the epochs in (0, 4], other than 1 (below 1: training less; above: longer plain schedules), "
-                             f"as a string ('.6 .8 1.2 1.4') or a list, got {f!r}")
     if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
-    if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
-        raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
     if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
         raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
 
@@ -233,25 +226,19 @@ def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict) -> dict|None:
     return None if c is None else dict(score=c.get('score', c.get('proxy_score')), step=c.get('step', c.get('proxy_step')))
 
 # %% ../nbs/08_compare.ipynb #ab5ad80b
+@delegates(Design.__init__)
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
                     methods:str|list='baseline blf stale hide', # methods, space-separated or a list: `baseline`, `blf`, `sb`, `topk`, `stale`, `hide` (`blf_gn`, `sb_gn`, `stale_gn` rank by the gradient norm), the controls `random_batch` and `random`; settings after a colon (`"sb:keep=.3,start=0"`), `epochs=`/`lr_mult=` on any, `proxy=.25` on a batch filter
-                    epochs:int=5, # epochs of the full schedule (a method's own `epochs=` overrides it)
                     lr:float=1e-3, # (maximum) learning rate of the fit
-                    seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
-                    seed:int=0, # the first seed
-                    controls:bool=True, # also train less (`budgets`), choose at random at each method's share, and the rate controls
-                    budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules: below 1 training less, above 1 longer (so the plain curve reaches past the full schedule)
                     fit=None, # `fit(learn, epochs, lr)`; default `learn.fit_one_cycle(epochs, lr)`
                     metric:str|None=None, # the Recorder's name of the metric the target is on; default the Learner's first metric
                     lower_is_better:bool|None=None, # whether lower is better for `metric`; guessed from its name when None
                     target:float|None=None, # the target value of `metric` for the time to target, fixed in advance; default: from `reference_seeds`, else the plain model's median final value, `target_drop` worse
                     target_drop:float|None=None, # that last default's distance from the plain model's final value, in the metric's units (0.2 points of a share, else 0.2% of the value)
-                    reference_seeds:int=0, # plain full-schedule runs on this many further seeds, not judged: the target at the knee of their curve (`knee_target`)
                     work:str='flops', # how a scored example and a proxy are charged: `flops`, counted operations (the same on every machine), or `time`, measured step times
                     evals_per_epoch:int=1, # checks of the metric per epoch (more than 1 needs `check`)
                     check=None, # `(model, valid_dl) -> value` of `metric`, for the checks inside an epoch
                     score_cost:float|None=None, # a scored example's cost in training steps; default counted (or timed, `work='time'`) on your model
-                    repeats:int=1, # runs of every method and seed
                     folder:str|Path|None=None, # save every run here, and resume from the runs saved here
                     resume:bool=True, # reuse the runs saved in `folder`; False starts over
                     show_progress:bool=True, # one progress bar over the whole comparison
@@ -264,20 +251,21 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     alpha:float=.05, # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
                     make_proxy=None, # `make_proxy(width) -> nn.Module`: the small model scoring a method spelled with `proxy=width` (`"blf:proxy=.25"`)
                     executor=None, # runs the fits side by side: anything with `submit(fn, *args)` returning `.result()`/`.done()` (`fit_executor(2)`, loky, dask's `client.get_executor()`, submitit); None: one after another here
-                    threads:int|None=None # compute threads of each fit on `executor`; default: the cores shared out over a local pool's workers
+                    threads:int|None=None, # compute threads of each fit on `executor`; default: the cores shared out over a local pool's workers
+                    **kwargs # the design (`Design`): `epochs`, `seeds`, `seed`, `repeats`, `budgets`, `controls`, `reference_seeds`
                    ) -> Comparison:
     "Train the plain model and every method from the same seeds on Learners from `make_learner`, beside training less and random choice at each method's share, count their work exactly, and judge each at `alpha`: `print` the result"
     specs = _method_specs(methods, make_proxy, add_baseline)
-    _check_settings(epochs, seeds, repeats, evals_per_epoch, check, score_cost, budgets, alpha, work, reference_seeds, folder)
-    design = Design(specs, epochs, seeds, seed, repeats, budgets, controls, reference_seeds)   # what trains: every fit, the controls as they join
+    design = _design(specs, kwargs)   # what trains, checked first: every fit, and the controls as they join
+    epochs, seeds, seed, repeats, reference_seeds = design.epochs, design.seeds, design.seed, design.repeats, design.reference_seeds
+    _check_settings(evals_per_epoch, check, score_cost, alpha, work, folder)
     metric, probe = _check_factory(make_learner, metric)
     check_executor(executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
     if target is None and not reference_seeds: target_drop = _target_drop(metric, target_drop, len(probe.dls.valid_ds))
-    _warn_no_verdict(seeds, repeats, controls)
+    _warn_no_verdict(seeds, repeats, design.controls)
     sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
-    settings = dict(methods=specs, epochs=epochs, lr=lr, seeds=seeds, seed=seed, repeats=repeats, metric=metric, sign=sign,
-                    evals_per_epoch=evals_per_epoch, controls=controls, score_cost=score_cost, alpha=alpha, work=work, reference_seeds=reference_seeds,
-                    budgets=budgets if isinstance(budgets, str) else ' '.join(map(str, budgets)))   # saved as the user spelled them
+    settings = dict(methods=specs, lr=lr, metric=metric, sign=sign, evals_per_epoch=evals_per_epoch, score_cost=score_cost, alpha=alpha, work=work,
+                    **design.settings())
     done = _saved_runs(folder, settings, resume)
     saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
     settings |= _work_costs(probe, settings, saved, _proxy_widths(specs), make_proxy, seed)
@@ -295,6 +283,12 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     if refs and target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
     _save_settings(folder, settings)
     return judge(runs, plain, control_of, settings, None if target is None else sign * target, target_drop)
+
+def _design(specs:list, kwargs:dict) -> Design:
+    "The `Design` of `specs` from `compare_filters`' design arguments; an argument it does not know raises as Python would, named"
+    if bad := sorted(set(kwargs) - set(inspect.signature(Design).parameters)):
+        raise TypeError(f"compare_filters() got an unexpected keyword argument {bad[0]!r}")
+    return Design(specs, **kwargs)
 
 def _method_specs(methods, make_proxy, add_baseline:bool) -> list:
     "The methods as a list, each parsed and checked once, the plain model first when missing (the target and every paired ratio need it)"

@@ -116,20 +116,40 @@ def found_controls(runs:list) -> tuple:
     return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
 
 # %% ../nbs/05b_plan.ipynb #682d2fe8
+def _check_design(epochs, seeds, seed, repeats, budgets, reference_seeds):
+    "Raise, naming the argument and what it takes, before anything is planned"
+    for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats).items():
+        if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
+    if not isinstance(seed, int) or seed < 0: raise ValueError(f"`seed` must be an integer >= 0, got {seed!r}")
+    for f in (budgets.split() if isinstance(budgets, str) else budgets):
+        try: v = float(f)
+        except (TypeError, ValueError): v = None
+        if v is None or not 0 < v <= 4 or v == 1:
+            raise ValueError(f"`budgets` must be shares of the epochs in (0, 4], other than 1 (below 1: training less; above: longer plain schedules), "
+                             f"as a string ('.6 .8 1.2 1.4') or a list, got {f!r}")
+    if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
+        raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
+
 class Design:
     "What a comparison trains: the methods, the judged and reference seeds, the repeats and the plain schedules, known before anything trains; each method's controls, added once its runs are in. It knows every fit's kind, their order and their count"
     def __init__(self, specs:list, # the methods, in order (the plain model among them)
                  epochs:int=5, # epochs of the full schedule (a method's own `epochs=` overrides it)
-                 seeds:int=3, # judged seeds: `seed`, `seed+1`, ...
+                 seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
                  seed:int=0, # the first seed
                  repeats:int=1, # runs of every method and seed
-                 budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules
-                 controls:bool=True, # train the other plain schedules and each method's controls
-                 reference_seeds:int=0): # plain full-schedule runs on further seeds, never judged (they fix the target)
+                 budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules: below 1 training less, above 1 longer (so the plain curve reaches past the full schedule)
+                 controls:bool=True, # also train less (`budgets`), choose at random at each method's share and at its work, and the rate controls
+                 reference_seeds:int=0): # plain full-schedule runs on this many further seeds, not judged: the target at the knee of their curve (`knee_target`)
+        _check_design(epochs, seeds, seed, repeats, budgets, reference_seeds)
         store_attr()
         self.specs = list(specs)
         self.judged, self.reference = range(seed, seed + seeds), range(seed + seeds, seed + seeds + reference_seeds)
         self.plain = plain_schedules(epochs, budgets) if controls else []   # the other plain schedules, some perhaps among the methods
+
+    def settings(self) -> dict:
+        "The design as plain data, as a comparison saves it (`budgets` as the user spelled them)"
+        return dict(epochs=self.epochs, seeds=self.seeds, seed=self.seed, repeats=self.repeats, controls=self.controls, reference_seeds=self.reference_seeds,
+                    budgets=self.budgets if isinstance(self.budgets, str) else ' '.join(map(str, self.budgets)))
 
     @property
     def others(self) -> list: return [p for p in self.plain if p not in self.specs]   # the plain schedules trained as controls

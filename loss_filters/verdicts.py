@@ -322,7 +322,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         if runs:
             if fitted is not None and (ew := equal_work(runs, m, curve_of, alpha, fitted, same_plain if same_plain in by else None, points)): r['vs_budget'] = ew
             if fitted_s is not None and (ew := equal_work(runs_s, m, curve_of, alpha, fitted_s, rand=points_s)): r['vs_budget_s'] = ew   # seconds: the curve's reading
-            elif unread: r['seconds_unread'] = unread
+            elif unread or fitted_s is not None: r['seconds_unread'] = unread or "some of its runs' seconds lie outside the plain schedules' range of seconds"
             for k, c in (('vs_random', rand), ('vs_random_work', same_rand), ('vs_self', roles.get(m, {}).get('self'))):   # None where a seed lacks the control's run
                 if c in by and (t := _acc_test(_paired_diffs(m, _run_of(c), runs), alpha)): r[k] = t | dict(control=c)
             if 'baseline' in by:

@@ -1,5 +1,5 @@
 "`compare_filters` end to end on tiny vision, tabular and text Learners: data order, exact work, metrics, resuming, bad input."
-import json, random
+import inspect, json, random
 import numpy as np, pandas as pd, pytest, torch
 from PIL import Image
 from torch import nn
@@ -113,6 +113,9 @@ def test_clear_errors_before_anything_trains():
     with pytest.raises(ValueError, match='`reference_seeds`'): compare_filters(tab_learner, reference_seeds=2)
     with pytest.raises(ValueError, match='unknown method'): compare_filters(tab_learner, methods='baseline nope')
     with pytest.raises(TypeError, match='`make_learner`'): compare_filters(shared)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'epoch'"): compare_filters(tab_learner, epoch=3)   # a misspelt design argument
+    sig = inspect.signature(compare_filters).parameters   # the design's arguments are in the signature, with their docments (`delegates`)
+    assert {'epochs', 'seeds', 'seed', 'repeats', 'budgets', 'controls', 'reference_seeds'} <= set(sig) and 'kwargs' not in sig
 
 @pytest.fixture(scope='module')
 def image_folder(tmp_path_factory):
