@@ -21,7 +21,7 @@ from .batch import LossFilterCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import MODELS, make_model, bench_learner
 from .runs import DEFAULT_METHODS, parse_method, run_fit, learner_flop_costs
-from .plots import plot_results, plot_budget
+from .plots import kept_figure, save_figure
 from .compare import compare_filters, machine_info
 from .plan import fit_executor, cores_each
 from .profiler import profile_step, probe_cost
@@ -53,7 +53,8 @@ PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=Tr
 def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
                      shape:tuple=(1, 28, 28), # one input's shape (Fashion-MNIST's by default)
                      n_out:int=10, # classes
-                     widths:tuple=(.25, .5) # proxy widths to count
+                     widths:tuple=(.25, .5), # proxy widths to count
+                     proxy_model:str|None=None # the proxies' family, a bench model; None: the model's own
                     ) -> tuple:
     "The bench `model`'s costs counted in operations: a scored example's in training steps (`score_cost`) and each proxy width's (`proxy_cost`), as `load_comparison` takes them to count saved runs' work again"
     x, y = torch.randn(8, *shape), torch.arange(8) % n_out
@@ -61,7 +62,7 @@ def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
     learn = Learner(dls, MODELS[model](x, n_out), loss_func=CrossEntropyLossFlat())
     proxy = {}
     for w in widths:
-        c = learner_flop_costs(learn, MODELS[model](x, n_out, w))
+        c = learner_flop_costs(learn, MODELS[proxy_model or model](x, n_out, w))
         proxy[f'{w:g}'] = dict(score=c['proxy_score'], step=c['proxy_step'])
     return learner_flop_costs(learn)['score'], proxy
 
@@ -119,12 +120,13 @@ def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, 
 
 class BenchLearners:
     "The bench's `make_learner` (call it) and `make_proxy` (`.proxy(width)`) as one picklable object: each worker process loads the data once"
-    def __init__(self, data:str, bs:int, n_train:int|None, n_valid:int|None, seed:int, label_noise:float=0., augment:bool=False, model:str='cnn'):
+    def __init__(self, data:str, bs:int, n_train:int|None, n_valid:int|None, seed:int, label_noise:float=0., augment:bool=False, model:str='cnn',
+                 proxy_model:str|None=None): # the proxy's family, a bench model; None: the model's own
         store_attr()
     @property
     def dls(self) -> DataLoaders: return _bench_dls(self.data, self.bs, self.n_train, self.n_valid, self.seed, self.label_noise, self.augment)[0]
     def __call__(self) -> Learner: return bench_learner(self.dls, self.model)
-    def proxy(self, width:float) -> nn.Module: return make_model(self.model, self.dls, width)
+    def proxy(self, width:float) -> nn.Module: return make_model(self.proxy_model or self.model, self.dls, width)
 
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
          preset:str='main', # `main` (the main job: the Batch Loss Filter with every control, 5 seeds, minutes), `quick` (every default method once, no controls), `compute` (the bench CNN where training is compute-bound, every control, 6 seeds), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
@@ -149,6 +151,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          profile:bool=False, # also time the pieces of one filtered step per method that scores batches
          probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one-epoch fits, three or `repeats`), to probe_cost.json
          model:str=None, # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network); default: the preset's
+         proxy_model:str=None, # the family of a method's proxy (`proxy=` its width share): one of the models; default: the model's own
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
          quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
@@ -168,11 +171,12 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:
         raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
-    if model not in MODELS: raise ValueError(f"`model` must be one of {', '.join(MODELS)}, got {model!r}")
+    for k, v in dict(model=model, proxy_model=proxy_model or model).items():
+        if v not in MODELS: raise ValueError(f"`{k}` must be one of {', '.join(MODELS)}, got {v!r}")
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
     check_int('jobs', jobs, 1)
     dls, data_name = _bench_dls(data, bs, n_train or None, n_valid or None, seed, label_noise, augment)
-    make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model)   # the same data in every worker
+    make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model, proxy_model)   # the same data in every worker
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if probe_cost: return _probe_cost(dls, data_name, model, seed, out, max(repeats, 3))
     threads = cores_each(jobs) if jobs > 1 else torch.get_num_threads()
@@ -182,7 +186,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           + (f"{jobs} fits at a time, {threads} torch thread(s) each" if jobs > 1 else f"torch threads={threads}")
           + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
     if target is None and not reference_seeds: target = _preset_target(pre, data_name, epochs, lr, bs, n_train, augment, label_noise, model)
-    saved_cost = _check_resume(out, dict(data=data_name, model=model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
+    saved_cost = _check_resume(out, dict(data=data_name, model=model, proxy_model=proxy_model or model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
                                          augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
     cost = saved_cost if saved_cost is not None else score_cost   # None: `compare_filters` counts it (and times it beside)
     def announce(s, sd, rep, kind): print(f"== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
@@ -192,19 +196,19 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
                               check=valid_accuracy, score_cost=cost, work=work, reference_seeds=reference_seeds, repeats=repeats, folder=out, resume=resume,
                               show_progress=False, on_run=announce if jobs == 1 else None, show_fits=not quiet and jobs == 1 and sys.stdout.isatty(), diagnostics=True,
                               add_baseline=False, alpha=alpha, executor=ex, threads=threads if jobs > 1 else None)
-    runs, rows, tgt, budget_runs, control_of = cmp.runs, cmp.rows, cmp.target, cmp.budgets, cmp.control_of
+    runs = cmp.runs
     cost, st = cmp.settings['score_cost'], cmp.settings
     print(f"a scored example costs {cost:.3f} training steps on this model ({'counted in operations' if st.get('work') == 'flops' else 'timed'}"
           + (f"; timed here {st['score_cost_timed']:.3f}" if st.get('score_cost_timed') else '') + ')')
     scored = [s for s in specs if (c := parse_method(s).cls) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
-    res = cmp.results(data=data_name, model=model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
+    res = cmp.results(data=data_name, model=model, proxy_model=proxy_model or model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
                       label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
                       score_cost=cost, work=st.get('work'), profile=prof)
     paths = cmp.save(out, **res)
-    plots = plot_results(runs, tgt, out) + [r['diagnostics'] for r in runs if r['diagnostics']]
-    if budget_runs: plots.append(plot_budget(rows, budget_runs, control_of, out))
+    kept = kept_figure(runs)   # `cmp.save` wrote the metric against work and seconds; the share kept per batch and each filter's diagnostics besides
+    plots = ([save_figure(kept, out / 'kept_per_batch.png')] if kept is not None else []) + [r['diagnostics'] for r in runs if r['diagnostics']]
     print(f"\n{cmp}\nEvery figure of every method and control, and every test in words: {out / 'summary.txt'}")
     for s, p in prof.items():
         print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
@@ -238,7 +242,7 @@ def _spelled_for(parser, argv:list) -> list:
 def main():
     "The `lf_bench` console script: `lf_bench`'s docments parsed as `call_parse` parses them, with the choices of its options; `--n_train` or `--n-train` under any fastcore"
     p = anno_parser(lf_bench)
-    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS), controls=SWITCH, augment=SWITCH, work=('flops', 'time'))
+    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS), proxy_model=tuple(MODELS), controls=SWITCH, augment=SWITCH, work=('flops', 'time'))
     for a in p._actions:   # argparse refuses any other value before any work, naming the choices
         if a.dest in choices: a.choices = choices[a.dest]
     args = vars(p.parse_args(_spelled_for(p, sys.argv[1:])))
