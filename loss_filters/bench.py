@@ -20,7 +20,7 @@ from .core import check_range, check_int
 from .batch import LossFilterCallback
 from .data import load_dls, CropFlip, DATASETS
 from .models import MODELS, make_model, bench_learner
-from .runs import DEFAULT_METHODS, parse_method, run_fit, learner_flop_costs
+from .runs import DEFAULT_METHODS, parse_method, run_fit, learner_flop_costs, proxy_costs
 from .plots import kept_figure, save_figure
 from .compare import compare_filters, machine_info
 from .plan import fit_executor, cores_each
@@ -63,7 +63,7 @@ def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
     proxy = {}
     for w in widths:
         c = learner_flop_costs(learn, MODELS[proxy_model or model](x, n_out, w))
-        proxy[f'{w:g}'] = dict(score=c['proxy_score'], step=c['proxy_step'])
+        proxy[f'{w:g}'] = proxy_costs(c)
     return learner_flop_costs(learn)['score'], proxy
 
 # %% ../nbs/10_bench.ipynb #a18fb58e

@@ -15,7 +15,7 @@ from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
-                               seeded_proxy, control_specs, BLIND)
+                               seeded_proxy, proxy_costs, control_specs, BLIND)
 from .verdicts import summarise, add_verdicts, best_plain, knee_target
 from .report import (verdict_lines, seeds_text, metric_label, estimate_text, summary_text, summary_frame, full_text)
 from .plots import budget_figure, time_figure, save_figure, plot_colors
@@ -223,7 +223,7 @@ def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict) -> dict|None:
     if w is None: return None
     costs = proxy_cost if proxy_cost is not None else settings.get('proxy_cost', {})
     c = costs.get(str(w)) or costs.get(f'{w:g}')
-    return None if c is None else dict(score=c.get('score', c.get('proxy_score')), step=c.get('step', c.get('proxy_step')))
+    return None if c is None else proxy_costs(c)
 
 # %% ../nbs/08_compare.ipynb #ab5ad80b
 @delegates(Design.__init__)
@@ -305,7 +305,7 @@ def _work_costs(probe, settings:dict, saved:dict, widths:list, make_proxy, seed:
     cost, work = saved.get('score_cost', settings['score_cost']), settings['work']
     out = _costs(probe, work) if cost is None else dict(score_cost=cost, score_cost_timed=saved.get('score_cost_timed'))
     saved_px = saved.get('proxy_cost', {})
-    return out | dict(proxy_cost={str(w): saved_px.get(str(w)) or _proxy_costs(probe, seeded_proxy(make_proxy, w, seed), work) for w in widths})
+    return out | dict(proxy_cost={str(w): saved_px.get(str(w)) or _measure_proxy(probe, seeded_proxy(make_proxy, w, seed), work) for w in widths})
 
 def _save_settings(folder:Path|None, settings:dict):
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
@@ -354,8 +354,8 @@ def _costs(probe, work:str) -> dict:
         warnings.warn("`torch.utils.flop_counter` counts none of this model's operations: work is charged by measured step times instead", stacklevel=3)
     return dict(score_cost=fl['score'] if fl else timed_, score_cost_timed=timed_, work='flops' if fl else 'time')
 
-def _proxy_costs(probe, proxy, work:str) -> dict:
+def _measure_proxy(probe, proxy, work:str) -> dict:
     "A proxy's `score` and `step` costs per example in training steps of `probe`'s model, counted or timed as `work` says, the timing kept beside"
     timed_ = learner_proxy_cost(probe, proxy)
     fl = learner_flop_costs(probe, proxy) if work == 'flops' else None
-    return dict(score=fl['proxy_score'], step=fl['proxy_step'], timed=timed_) if fl else timed_
+    return proxy_costs(fl) | dict(timed=timed_) if fl else timed_

@@ -21,7 +21,8 @@ from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPrunin
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'control_specs', 'work_slug', 'Method', 'parse_method',
            'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device', 'fit_scored',
            'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule', 'seeded_proxy', 'time_to_target',
-           'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs']
+           'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs',
+           'proxy_costs']
 
 # %% ../nbs/05_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -369,3 +370,7 @@ def learner_flop_costs(learn, # a Learner that will not train on (its model's gr
         out = dict(score=count(learn.model, False) / main, step_flops=main / find_bs(yb))
         if proxy is not None: out.update(proxy_score=count(proxy, False) / main, proxy_step=count(proxy, True) / main)
     return out
+
+def proxy_costs(costs:dict) -> dict:
+    "A proxy's costs per example as `add_work` takes them, `dict(score=, step=)`: from `learner_flop_costs(learn, proxy)` (its `proxy_score`, `proxy_step`; its `score` is the model's own) or from a saved `dict(score=, step=)`"
+    return dict(score=costs.get('proxy_score', costs.get('score')), step=costs.get('proxy_step', costs.get('step')))
