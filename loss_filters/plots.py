@@ -25,9 +25,10 @@ def _axes(ax, size):
 _PALETTE = ['tab:orange', 'tab:green', 'tab:red', 'tab:purple', 'tab:brown', 'tab:pink', 'tab:olive', 'tab:cyan', 'tab:blue']
 
 def plot_colors(names:list, control_of:dict|None=None) -> dict:
-    "A colour per method, for every figure of a comparison: the plain model black, each other schedule its own grey (lighter the shorter), each method its own colour (none near black), each control its method's"
+    "A colour per method, for every figure of a comparison: the plain model black, each other schedule its own grey (lighter the shorter), each method its own colour (none near black), each control its method's; a control judged in its own right (the filter a proxy's method is compared with, when it has controls of its own) is a method"
     names, control_of = list(dict.fromkeys(names)), control_of or {}
-    of = {c: m for m, cs in control_of.items() for c in cs}
+    judged = {m for m, cs in control_of.items() if cs}
+    of = {c: m for m, cs in control_of.items() for c in cs if c not in judged}
     plain = lambda m: m == 'baseline' or (m.startswith('baseline:') and m not in of)
     others = sorted((m for m in names if plain(m) and m != 'baseline'), key=_epochs_in)
     out = {'baseline': 'black'} if 'baseline' in names else {}
