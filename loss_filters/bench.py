@@ -206,7 +206,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     res = cmp.results(data=data_name, model=model, proxy_model=proxy_model or model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
                       label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
                       score_cost=cost, work=st.get('work'), profile=prof)
-    paths = cmp.save(out, **res)
+    paths = cmp.save(out, res)   # the results made once, written as they are returned
     kept = kept_figure(runs)   # `cmp.save` wrote the metric against work and seconds; the share kept per batch and each filter's diagnostics besides
     plots = ([save_figure(kept, out / 'kept_per_batch.png')] if kept is not None else []) + [r['diagnostics'] for r in runs if r['diagnostics']]
     print(f"\n{cmp}\nEvery figure of every method and control, and every test in words: {out / 'summary.txt'}")

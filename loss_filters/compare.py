@@ -78,11 +78,11 @@ class Comparison:
                     best_plain=best_plain(self.rows, ['baseline', *self.budgets], self.target) if self.budgets else None,
                     summary=self.rows, verdicts=self.verdicts, runs=self.runs, machine=machine_info()) | more
 
-    def save(self, folder, **more) -> list:
-        "Write `results.json` (with `more`), `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
+    def save(self, folder, results:dict|None=None, **more) -> list:
+        "Write `results.json` (`results`, when already made; else `self.results(**more)`), `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
         import matplotlib; matplotlib.use('Agg')
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
-        (folder / 'results.json').write_text(json.dumps(self.results(**more), indent=1))
+        (folder / 'results.json').write_text(json.dumps(self.results(**more) if results is None else results, indent=1))
         (folder / 'summary.txt').write_text(full_text(self) + '\n')
         names = (['accuracy_vs_budget.png'] if self.budgets else []) + ['accuracy_vs_time.png']
         return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in zip(self._figures(), names)]
