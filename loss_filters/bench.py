@@ -24,7 +24,7 @@ from .runs import DEFAULT_METHODS, parse_method, run_fit, learner_flop_costs, pr
 from .plots import kept_figure, save_figure
 from .compare import compare_filters, machine_info
 from .plan import fit_executor, cores_each
-from .profiler import profile_step, probe_cost
+from .profiler import profile_step, profile_line, probe_cost
 _quiet.__exit__(None, None, None)
 
 # %% auto #0
@@ -202,7 +202,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           + (f"; timed here {st['score_cost_timed']:.3f}" if st.get('score_cost_timed') else '') + ')')
     scored = [s for s in specs if (c := parse_method(s).cls) is not None and issubclass(c, LossFilterCallback)
               and c.select is not LossFilterCallback.select]
-    prof = {s: profile_step(dls, s, model=model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
+    prof = {s: profile_step(dls, s, model=model, proxy_model=proxy_model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = cmp.results(data=data_name, model=model, proxy_model=proxy_model or model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
                       label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
                       score_cost=cost, work=st.get('work'), profile=prof)
@@ -211,10 +211,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     plots = ([save_figure(kept, out / 'kept_per_batch.png')] if kept is not None else []) + [r['diagnostics'] for r in runs if r['diagnostics']]
     print(f"\n{cmp}\nEvery figure of every method and control, and every test in words: {out / 'summary.txt'}")
     for s, p in prof.items():
-        print(f"profile {s}: plain fastai step {p['plain_step']*1e3:.2f} ms; scoring forward {p['forward']*1e3:.2f} ms; the filter's "
-              f"own work {p['overhead']*1e3:.3f} ms = {p['overhead_share']:.1%} of a plain step (its batch step {p['before_batch']*1e3:.3f} "
-              f"with losses and scores {p['score']*1e3:.3f}, select {p['select']*1e3:.3f}, take {p['take']*1e3:.3f}; records {p['record']*1e3:.3f} ms); "
-              f"kept {p['kept']}/{p['bs']}, bare step on them {p['train_kept']*1e3:.2f} ms, on all {p['train_full']*1e3:.2f} ms")
+        print(profile_line(s, p))
     print("wrote " + ', '.join(str(p) for p in paths + plots))
     return res
 

@@ -15,7 +15,7 @@ from .models import make_model, bench_learner
 from .runs import parse_method, sync_device, timed, learner_score_cost, StopAfter, EpochClock, seed_loaders
 
 # %% auto #0
-__all__ = ['plain_step_seconds', 'measure_score_cost', 'profile_step', 'probe_cost']
+__all__ = ['plain_step_seconds', 'measure_score_cost', 'profile_step', 'profile_line', 'probe_cost']
 
 # %% ../nbs/09_profile.ipynb #581630be
 def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
@@ -44,14 +44,26 @@ def _acting(cb_cls, kw:dict) -> dict:
     every = dict(start=0., end=1., interrupt=0, skip_epochs=0)
     return {**kw, **{k: v for k, v in every.items() if k in inspect.signature(cb_cls).parameters}}
 
-def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> dict:
-    "Seconds per batch of each piece of a filtered step (the filter driven through its own events), and its own work beside the model as a share of a plain step"
+def _proxy_pieces(cb, xb, yb, idxs, n:int) -> dict:
+    "Seconds of each piece of a proxy's work on one batch: its scoring forward, and its learning of the kept rows (forward, backward, optimizer step)"
+    px, kx, ky = cb.proxy, take(xb, idxs), take(yb, idxs)
+    def fwd(): return px.forward(kx, ky)
+    def fwd_bwd(): px.backward(fwd()); px.drop()
+    def learn(): px.backward(fwd()); px.step()
+    res = dict(proxy_score=timed(lambda: px.score(xb, yb, graph=False), n), proxy_forward=timed(fwd, n))
+    fb, fbs = timed(fwd_bwd, n), timed(learn, n)
+    res.update(proxy_backward=max(fb - res['proxy_forward'], 0.), proxy_step=max(fbs - fb, 0.))   # by difference: each needs the pieces before it
+    return res
+
+def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0,
+                 proxy_model:str|None=None): # the family of a method's proxy (`proxy=` its width share), a bench model; None: the model's own
+    "Seconds per batch of each piece of a filtered step (the filter driven through its own events, a proxy's learning included), and its own work beside the model as a share of a plain step"
     m = parse_method(spec)
     cb_cls, kw = m.cls, m.kw
     set_seed(seed)
     learn = bench_learner(dls, model)
     learn.model.to(dls.device)   # where a fit's `before_fit` would put it: the batches are on the loaders' device (a GPU's, where there is one)
-    if m.proxy is not None: kw = kw | dict(score_model=make_model(model, dls, m.proxy))   # the proxy scores, the model runs no scoring pass
+    if m.proxy is not None: kw = kw | dict(score_model=make_model(proxy_model or model, dls, m.proxy).to(dls.device))   # the proxy scores
     cb, net, n_epoch = cb_cls(**_acting(cb_cls, kw)), learn.model, len(dls.train)
     learn.add_cb(cb); learn.create_opt(); net.train()
     b = dls.train.one_batch()
@@ -66,6 +78,9 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
         learn.xb, learn.yb = xb, yb
         try: cb('before_batch')
         except CancelBatchException: pass   # `fill_batch` waiting for a full batch
+    def whole_batch():   # its events of a batch the model trained on: the batch step, then (a proxy's learning) its end
+        before_batch()
+        for e in ('after_backward', 'after_step', 'after_batch'): cb(e)
     def fold() -> float:   # an epoch of filtered batches, then the epoch's end that folds their records: its seconds
         cb('before_train')
         for _ in range(n_epoch): before_batch()
@@ -75,20 +90,32 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0) -> 
         loss = learn.loss_func(net(*x), *y); loss.backward(); learn.opt.step(); learn.opt.zero_grad()
     res = dict(forward=timed(forward, n))
     learn.model = _Cached(net, forward())   # the scoring pass, and the filter's step, without the model's forward
-    res.update(score=timed(cb.score_batch, n), before_batch=timed(before_batch, n), record=min(fold() for _ in range(3)) / n_epoch)
+    res.update(score=timed(cb.score_batch, n), before_batch=timed(before_batch, n), batch=timed(whole_batch, n),
+               record=min(fold() for _ in range(3)) / n_epoch)
     learn.model, learn.xb, learn.yb = net, xb, yb
     losses, scores = cb.score_batch()
     idxs = cb.select(scores).sort().values
     res.update(select=timed(lambda: cb.select(scores).sort(), n), take=timed(lambda: (take(xb, idxs), take(yb, idxs)), n),
                train_kept=timed(lambda: step(take(xb, idxs), take(yb, idxs)), n), train_full=timed(lambda: step(xb, yb), n))
+    if cb.proxy is not None: res.update(_proxy_pieces(cb, xb, yb, idxs, n))
     res['plain_step'] = plain_step_seconds(dls, max(n, 30), model, seed)
     res['kept'], res['bs'] = len(idxs), len(scores)
     total = res['forward'] + res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
     res.update({f'{k}_share': res[k] / total for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')})
-    # the filter's own work: its whole batch step besides the model's forward, and its share of the epoch's end
-    res['overhead'] = res['before_batch'] + res['record']
+    # the filter's own work: its whole batch besides the model's forward (a proxy's learning at the batch's end included), and its share of the epoch's end
+    res['overhead'] = res['batch'] + res['record']
     res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
+
+def profile_line(spec:str, p:dict) -> str:
+    "One line of `profile_step`'s result `p` for `spec`: the filter's own work beside a plain step, piece by piece (a proxy's own pieces where it has one)"
+    ms = lambda k: f"{p[k]*1e3:.3f}"
+    if 'proxy_score' in p: pieces = (f"the proxy's scoring forward {ms('proxy_score')}, its learning of the kept rows: forward {ms('proxy_forward')}, "
+                                     f"backward {ms('proxy_backward')}, optimizer step {ms('proxy_step')}")
+    else: pieces = f"the model's scoring forward {ms('forward')} (not counted), losses and scores {ms('score')}"
+    return (f"profile {spec}: plain fastai step {p['plain_step']*1e3:.2f} ms; the filter's own work {ms('overhead')} ms = {p['overhead_share']:.1%} "
+            f"of a plain step (a batch {ms('batch')}: {pieces}, select {ms('select')}, take {ms('take')}; records {ms('record')} ms); "
+            f"kept {p['kept']}/{p['bs']}, bare step on them {p['train_kept']*1e3:.2f} ms, on all {p['train_full']*1e3:.2f} ms")
 
 def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
     "`(training seconds, training steps, learn)` of a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any)"

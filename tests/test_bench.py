@@ -35,7 +35,7 @@ def test_results_json_keys_and_types(small_run):
     prof = saved['profile']['blf:skip_epochs=0']
     assert set(prof) >= {'forward', 'score', 'select', 'record', 'take', 'train_kept', 'train_full', 'overhead', 'overhead_share'}
     assert math.isclose(sum(prof[f'{k}_share'] for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')), 1.)
-    assert math.isclose(prof['overhead'], prof['before_batch'] + prof['record']) and math.isclose(prof['overhead_share'], prof['overhead'] / prof['plain_step'])
+    assert math.isclose(prof['overhead'], prof['batch'] + prof['record']) and math.isclose(prof['overhead_share'], prof['overhead'] / prof['plain_step'])
     assert 0 < prof['plain_step'] and 0 < prof['forward']
     assert saved['model'] == 'cnn'
     assert 'blf_gn:skip_epochs=0' in saved['profile']
