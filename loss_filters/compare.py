@@ -12,7 +12,7 @@ from fastcore.basics import store_attr
 from fastcore.meta import delegates
 from fastai.basics import Learner
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
-from .core import check_range
+from .core import check_range, check_int
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
                                seeded_proxy, proxy_costs, control_specs, BLIND)
@@ -124,7 +124,7 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
 def _check_settings(evals_per_epoch, check, score_cost, alpha=.05, work='flops', folder=None):
     "Raise, naming the argument, before anything trains (the design's own arguments are checked by `Design`)"
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
-    if not isinstance(evals_per_epoch, int) or evals_per_epoch < 1: raise ValueError(f"`evals_per_epoch` must be an integer >= 1, got {evals_per_epoch!r}")
+    check_int('evals_per_epoch', evals_per_epoch, lo=1)
     if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
     if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
     if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")

@@ -9,9 +9,10 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import NamedTuple
 import torch
 from fastcore.basics import store_attr
+from .core import check_int
 from .batch import RandomBatchCallback
 from .sampler import SamplerPruningCallback, RandomPruningCallback
-from .runs import run_fit, StopAfter, judged_method, parse_method, work_slug, RetiredMethod, control_specs, BLIND
+from .runs import run_fit, StopAfter, judged_method, parse_method, work_slug, RetiredMethod, control_specs, is_plain_schedule, BLIND
 
 # %% auto #0
 __all__ = ['Fit', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls', 'same_work_of', 'rate_control',
@@ -100,9 +101,9 @@ def _like(name:str, spec:str) -> bool:
     return a.cls is b.cls and a.run == b.run and {k: v for k, v in a.kw.items() if k != 'keep'} == {k: v for k, v in b.kw.items() if k != 'keep'}
 
 def found_controls(runs:list) -> tuple:
-    "`(plain schedules, each method's controls)` among saved `runs`, chosen again as `Design` chose them: the other plain schedules are the `baseline:epochs=` runs"
+    "`(plain schedules, each method's controls)` among saved `runs`, chosen again as `Design` chose them: the other plain schedules are the runs `is_plain_schedule` finds"
     names = list(dict.fromkeys(r['method'] for r in runs))
-    budgets = [m for m in names if m.startswith('baseline:epochs=')]
+    budgets = [m for m in names if is_plain_schedule(m)]
     def found(m):
         cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
         at_work = [n for n in names if judged_method(n).run.get('same_work') == work_slug(m)]   # its plain and random runs at its own work
@@ -118,16 +119,15 @@ def found_controls(runs:list) -> tuple:
 # %% ../nbs/05b_plan.ipynb #682d2fe8
 def _check_design(epochs, seeds, seed, repeats, budgets, reference_seeds):
     "Raise, naming the argument and what it takes, before anything is planned"
-    for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats).items():
-        if not isinstance(v, int) or v < 1: raise ValueError(f"`{k}` must be an integer >= 1, got {v!r}")
-    if not isinstance(seed, int) or seed < 0: raise ValueError(f"`seed` must be an integer >= 0, got {seed!r}")
+    for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats).items(): check_int(k, v, lo=1)
+    check_int('seed', seed)
     for f in (budgets.split() if isinstance(budgets, str) else budgets):
         try: v = float(f)
         except (TypeError, ValueError): v = None
         if v is None or not 0 < v <= 4 or v == 1:
             raise ValueError(f"`budgets` must be shares of the epochs in (0, 4], other than 1 (below 1: training less; above: longer plain schedules), "
                              f"as a string ('.6 .8 1.2 1.4') or a list, got {f!r}")
-    if not isinstance(reference_seeds, int) or reference_seeds < 0 or 0 < reference_seeds < 3:
+    if check_int('reference_seeds', reference_seeds) in (1, 2):
         raise ValueError(f"`reference_seeds` must be 0 (none) or an integer >= 3 (a knee needs a mean curve), got {reference_seeds!r}")
 
 class Design:

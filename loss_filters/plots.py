@@ -6,7 +6,7 @@
 from __future__ import annotations
 import math
 from pathlib import Path
-from .runs import judged_method, control_specs
+from .runs import judged_method, control_specs, is_plain_schedule
 from .report import metric_label, short_label
 
 # %% auto #0
@@ -47,7 +47,7 @@ _PLAIN_MARKERS = 'sv^<>DPXh'   # one per other plain schedule, in order of lengt
 
 def plain_markers(names:list) -> dict:
     "A marker per plain schedule other than the full one (`baseline:epochs=k`), by length; 'o' for every other name"
-    others = sorted((m for m in dict.fromkeys(names) if m.startswith('baseline:epochs=')), key=_epochs_in)
+    others = sorted((m for m in dict.fromkeys(names) if is_plain_schedule(m)), key=_epochs_in)
     return {m: _PLAIN_MARKERS[i % len(_PLAIN_MARKERS)] for i, m in enumerate(others)}
 
 def _spread_x(xs:list, width:float) -> list:

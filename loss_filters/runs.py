@@ -18,11 +18,11 @@ from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'control_specs', 'work_slug', 'Method', 'parse_method',
-           'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device', 'fit_scored',
-           'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule', 'seeded_proxy', 'time_to_target',
-           'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs',
-           'proxy_costs']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'is_plain_schedule', 'control_specs', 'work_slug', 'Method',
+           'parse_method', 'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device',
+           'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule', 'seeded_proxy',
+           'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost',
+           'learner_flop_costs', 'proxy_costs']
 
 # %% ../nbs/05_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -35,6 +35,12 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
 DEFAULT_METHODS = 'baseline blf sb stale'
 RUN_SETTINGS = ('epochs', 'lr_mult', 'same_work')   # settings of the run, not of a callback: allowed on every method, the baseline too
 # `same_work=<method>`: a control trained at that method's own work (`work_slug` spells the method), which the comparison adds
+
+def is_plain_schedule(spec:str) -> bool:
+    "Whether `spec` is the plain model on another schedule, as `plan.budget_specs` names it (its one setting `epochs`); False for a spelling no version of the package knows"
+    try: m = judged_method(spec)
+    except (ValueError, TypeError): return False
+    return m.cls is None and set(m.run) == {'epochs'}
 
 def control_specs(control_of:dict) -> list:
     "Every control of `control_of` (method -> its controls), once each, in order; a method judged in its own right (one with controls) is not one"

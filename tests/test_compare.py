@@ -107,6 +107,9 @@ def test_clear_errors_before_anything_trains():
     with pytest.raises(ValueError, match="`metric` 'dice' is not recorded by the Learner; it records valid_loss, accuracy"):
         compare_filters(tab_learner, metric='dice', show_progress=False)
     with pytest.raises(ValueError, match='`seeds` must be an integer >= 1'): compare_filters(tab_learner, seeds=0)
+    with pytest.raises(TypeError, match='`epochs` must be an integer >= 1, got 2.5'): compare_filters(tab_learner, epochs=2.5)   # as the callbacks' own
+    with pytest.raises(TypeError, match='`evals_per_epoch` must be an integer'): compare_filters(tab_learner, evals_per_epoch=True)
+    with pytest.raises(ValueError, match='`reference_seeds` must be an integer >= 0'): compare_filters(tab_learner, reference_seeds=-1)
     with pytest.raises(ValueError, match='`budgets`'): compare_filters(tab_learner, budgets='.5 1')
     with pytest.raises(ValueError, match='`budgets`'): compare_filters(tab_learner, budgets=[.5, 'x'])
     with pytest.raises(ValueError, match='`work`'): compare_filters(tab_learner, work='seconds')
