@@ -17,8 +17,8 @@ __all__ = ['mult_text', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'point
 
 # %% ../nbs/06a_report.ipynb #3f42f049
 def mult_text(x:float|None, censored:str|None=None) -> str:
-    "A work multiplier as `'1.23x'`, `'≥1.40x'` where the plain curve never gets there, `'≤0.56x'` where its first point already does"
-    return '-' if x is None else {'above': '≥', 'below': '≤'}.get(censored, '') + f'{x:.2f}x'
+    "A work multiplier as `'1.23x'`, `'≥1.40x'` where the curve never gets there, `'≤0.56x'` where its first point already does, or where random choice was not run far enough to tell (`'short'`)"
+    return '-' if x is None else {'above': '≥', 'below': '≤', 'short': '≤'}.get(censored, '') + f'{x:.2f}x'
 
 def _why_apart(r:dict, base:dict) -> str:
     "Why a method's wall-clock ratio and its work ratio disagree"
@@ -146,6 +146,9 @@ def method_note(r:dict, has_budgets:bool=True) -> str:
     if word != 'pays' and (why := _batch_note(r)): notes.append(f"above training less at its work ({diff_text(v['diff'], unit)}), {why}")
     elif r.get('vs_random_work'): notes.append(_random_note(r['vs_random_work'], unit, word == 'pays', 'at equal work'))
     elif r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit, word == 'pays'))
+    if v.get('best_x_censored') == 'short':
+        notes.append(f"an alternative needs at most {v['best_x']:.2f}x: random choice was not run at enough work to reach its value, and might "
+                     "get there before the plain model (run it on a longer schedule to tell, e.g. the method `random_batch:keep=.5,epochs=8`)")
     if v.get('best_by'):
         rm = judged_method(v['best_by'])
         notes.append(f"the stronger alternative at its value is random choice of {rm.kw.get('keep', 1):.0%} of each batch"

@@ -153,12 +153,17 @@ def alternative_work(curve:dict, # the plain curve (`plain_curve`)
                      rand:list, # random choice's points, `random_points(runs)`
                      value:float # the value to reach
                     ) -> tuple:
-    "`(work, censored, by)`: the least work at which the better of two curves reaches `value`: the plain schedules' (`by` None) or random choice's, through its points at every share run (`by`: the random method nearest the crossing); `censored` as `curve_work`'s"
+    "`(work, censored, by)`: the least work at which the better of two curves reaches `value`: the plain schedules' (`by` None) or random choice's, through its points at every share run (`by`: the random method nearest there); `censored` as `curve_work`'s, or `'short'` (at most the plain curve's work) where random choice's points all end below `value` at less work than the plain curve needs: run further, it might get there first"
     w, c = curve_work(curve, value)
     if not rand: return w, c, None
-    rw, rc = curve_work(dict(points=_pava([(rw, rv, 1) for rw, rv, _ in sorted(rand)])), value) or (None, 'above')   # random choice's curve, never falling
-    if rc == 'above' or not (c == 'above' or rw < w): return w, c, None   # random choice never gets there, or only with more work
-    return rw, rc, min(rand, key=lambda p: abs(p[0] - rw))[2]
+    pts = _pava([(rw, rv, 1) for rw, rv, _ in sorted(rand)])   # random choice's curve, never falling
+    near = lambda x: min(rand, key=lambda p: abs(p[0] - x))[2]
+    if (found := curve_work(dict(points=pts), value)) is None: return w, c, None   # a value no curve can place (a NaN bound)
+    rw, rc = found
+    if rc != 'above': return (rw, rc, near(rw)) if c == 'above' or rw < w else (w, c, None)   # it gets there: the sooner of the two
+    last = pts[-1][0]   # random choice's most work, still below `value`
+    if last >= w: return w, c, None   # run past where the plain curve gets there, and still short of it: the plain model is the better
+    return (last, 'above', near(last)) if c == 'above' else (w, 'short', None)   # not run far enough to tell which gets there first
 
 def equal_work(runs:list, # the runs of a comparison
                method:str, # the method judged
