@@ -62,8 +62,9 @@ def matched_control(spec:str, runs:list) -> str|None:
     return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"
             f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}{sched}")
 
-def same_work_controls(spec:str, runs:list) -> list:
-    "The two simple alternatives at `spec`'s own work, a user's without the package: the plain model trained for exactly each run's work (`baseline:same_work=...`: one schedule over as many examples), and random choice at equal work (the plain model at the smaller batch that spends the method's mean work in its steps; none where that batch would not be smaller)"
+def same_work_controls(spec:str, runs:list,
+                       longer:tuple=()): # shares above 1 of the method's epochs: random choice at its share on those longer schedules too
+    "The two simple alternatives at `spec`'s own work, a user's without the package: the plain model trained for exactly each run's work (`baseline:same_work=...`: one schedule over as many examples), and random choice at equal work (the plain model at the smaller batch that spends the method's mean work in its steps; none where that batch would not be smaller), and at that share over `longer` schedules (`reach=`), so that random choice's curve reaches past the method's value"
     m = judged_method(spec)
     if not _judged_filter(m): return []
     rs = [r for r in runs if r['method'] == spec and r.get('work') is not None]
@@ -71,7 +72,10 @@ def same_work_controls(spec:str, runs:list) -> list:
     tag, rate = f"same_work={work_slug(spec)}", ''.join(f",lr_mult={v}" for k, v in m.run.items() if k == 'lr_mult')
     keep = statistics.fmean(r['work'] / r['epochs'] for r in rs)   # the share of each of its batches that spends its work
     sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k in ('epochs', 'lr_mult'))
-    return [f"baseline:{tag}{rate}"] + ([f"random_batch:keep={keep:.3f}{sched},{tag}"] if keep < 1 else [])
+    if keep >= 1: return [f"baseline:{tag}{rate}"]
+    e = rs[0]['epochs']
+    far = sorted({k for b in longer if (k := round(float(b) * e)) > e})   # the longer schedules, in whole epochs
+    return [f"baseline:{tag}{rate}", f"random_batch:keep={keep:.3f}{sched},{tag}"] + [f"random_batch:keep={keep:.3f},epochs={k}{rate},reach={work_slug(spec)}" for k in far]
 
 def same_work_of(method:str, controls:list) -> tuple:
     "`(plain, random)`: `method`'s controls at its own work among `controls` (None where one is missing)"
@@ -91,9 +95,10 @@ def self_scored_control(spec:str) -> str|None:
     own = m.without('proxy', 'train_every')
     return None if own == m.without() else own
 
-def controls_of(spec:str, runs:list) -> list:
-    "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself, and the two alternatives at its own work"
-    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c] + same_work_controls(spec, runs)
+def controls_of(spec:str, runs:list,
+                longer:tuple=()): # shares above 1 of the method's epochs, for random choice on longer schedules (`same_work_controls`)
+    "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself, and the two alternatives at its own work (random choice also past it)"
+    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c] + same_work_controls(spec, runs, longer)
 
 def _like(name:str, spec:str) -> bool:
     "Whether control `name` has the settings of control `spec`, but perhaps another share `keep`"
@@ -106,7 +111,7 @@ def found_controls(runs:list) -> tuple:
     budgets = [m for m in names if is_plain_schedule(m)]
     def found(m):
         cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
-        at_work = [n for n in names if judged_method(n).run.get('same_work') == work_slug(m)]   # its plain and random runs at its own work
+        at_work = [n for n in names if work_slug(m) in (judged_method(n).run.get('same_work'), judged_method(n).run.get('reach'))]   # its plain and random runs at its own work, and past it
         if not any(judged_method(c).name in BLIND for c in cs):   # runs saved without the kept shares: the random control on the same settings
             spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
             like = [n for n in names if spec and _like(n, spec)]
@@ -145,6 +150,7 @@ class Design:
         self.specs = list(specs)
         self.judged, self.reference = range(seed, seed + seeds), range(seed + seeds, seed + seeds + reference_seeds)
         self.plain = plain_schedules(epochs, budgets) if controls else []   # the other plain schedules, some perhaps among the methods
+        self.longer = tuple(b for b in map(float, budgets.split() if isinstance(budgets, str) else budgets) if b > 1)   # random choice past each method's work too
 
     def settings(self) -> dict:
         "The design as plain data, as a comparison saves it (`budgets` as the user spelled them)"
@@ -169,23 +175,23 @@ class Design:
         def control(c:str, sd:int, rep:int) -> Fit:
             run, m = results[(fit.spec, sd, rep)], parse_method(c)
             return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.cls is None and 'same_work' in m.run else None)
-        return [control(c, sd, rep) for sd in self.judged for rep in range(self.repeats) for c in controls_of(fit.spec, [results[k] for k in keys])]
+        return [control(c, sd, rep) for sd in self.judged for rep in range(self.repeats) for c in controls_of(fit.spec, [results[k] for k in keys], self.longer)]
 
     def ordered(self, results:dict) -> tuple:
         "`(runs, reference runs, plain schedules, each method's controls)`, the runs in one order wherever they trained: seed by seed the methods, then seed by seed the plain schedules and the controls"
         at = lambda names, seeds: [results[(s, sd, rep)] for sd in seeds for rep in range(self.repeats) for s in names]
         methods = at(self.specs, self.judged)
-        control_of = {s: cs for s in self.specs if (cs := controls_of(s, methods))} if self.controls else {}
+        control_of = {s: cs for s in self.specs if (cs := controls_of(s, methods, self.longer))} if self.controls else {}
         others = self.others + [c for c in control_specs(control_of) if c not in self.specs]
         return methods + at(others, self.judged), at(['baseline'], self.reference), self.others, control_of
 
     def count(self) -> tuple:
-        "`(fits, full schedules)` the comparison trains, before its rate and self-scored controls: the methods and plain schedules on every seed, each filter's three controls (random choice at its share, the plain model and random choice at its work, each counted at most the method's schedule), and the reference runs"
+        "`(fits, full schedules)` the comparison trains, before its rate and self-scored controls: the methods and plain schedules on every seed, each filter's three controls (random choice at its share, the plain model and random choice at its work, each counted at most the method's schedule) and random choice on each longer schedule (at most that schedule), and the reference runs"
         ms = [parse_method(s) for s in self.specs]
         share = lambda m: m.epochs(self.epochs) / self.epochs
         filters = [m for m in ms if _judged_filter(m)] if self.controls else []
-        per_seed = len(self.specs) + len(self.others) + 3 * len(filters)
-        sched = sum(map(share, ms)) + sum(share(parse_method(p)) for p in self.others) + 3 * sum(map(share, filters))
+        per_seed = len(self.specs) + len(self.others) + (3 + len(self.longer)) * len(filters)
+        sched = sum(map(share, ms)) + sum(share(parse_method(p)) for p in self.others) + (3 + sum(self.longer)) * sum(map(share, filters))
         n = self.seeds * self.repeats
         return n * per_seed + self.reference_seeds * self.repeats, n * sched + self.reference_seeds * self.repeats
 

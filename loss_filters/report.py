@@ -242,7 +242,7 @@ def short_label(spec:str) -> str:
     "A legend's name for a method spec: the random controls, the plain model's other schedules and the alternatives at a method's own work said in words, the rest as spelled"
     m = _method(spec)
     if m is None: return spec
-    at = f" at {m.at_work_of}'s work" if m.at_work_of else ''
+    at = f" at {m.at_work_of}'s work" if m.at_work_of else f", {m.run['epochs']} epochs, past {m.reach_of}'s work" if m.reach_of else ''
     if m.name in ('random_batch', 'random'):
         return f"random choice, keep {float(m.kw.get('keep', 0)):.2f}" + (', full batches' if m.kw.get('fill_batch') in (1, True) else '') + at
     if m.name == 'baseline' and at: return 'plain' + at

@@ -33,8 +33,9 @@ METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(Selec
                topk=(TopLossCallback, {}),
                random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
-RUN_SETTINGS = ('epochs', 'lr_mult', 'same_work')   # settings of the run, not of a callback: allowed on every method, the baseline too
-# `same_work=<method>`: a control trained at that method's own work (`work_slug` spells the method), which the comparison adds
+RUN_SETTINGS = ('epochs', 'lr_mult', 'same_work', 'reach')   # settings of the run, not of a callback: allowed on every method, the baseline too
+# `same_work=<method>`: a control trained at that method's own work (`work_slug` spells the method), which the comparison adds;
+# `reach=<method>`: random choice at that method's share on a longer schedule, so that random choice's curve reaches past the method's value
 
 def is_plain_schedule(spec:str) -> bool:
     "Whether `spec` is the plain model on another schedule, as `plan.budget_specs` names it (its one setting `epochs`); False for a spelling no version of the package knows"
@@ -72,6 +73,8 @@ class Method(NamedTuple):
     def epochs(self, default:int) -> int: return self.run.get('epochs', default)
     @property
     def at_work_of(self) -> str|None: return self.run.get('same_work', '').replace('/', ':').replace('+', ',') or None   # a control at that method's work: the method (`work_slug` read back)
+    @property
+    def reach_of(self) -> str|None: return self.run.get('reach', '').replace('/', ':').replace('+', ',') or None   # random choice run past that method's work: the method
     def without(self, *keys) -> str:
         "The spec with the settings `keys` left out, the others as written: `'blf:proxy=.25,min_loss_perc=.95'` without `proxy` is `'blf:min_loss_perc=.95'`"
         args = [a for a in self.spec.partition(':')[2].split(',') if a.strip() and a.split('=', 1)[0].strip() not in keys]

@@ -277,6 +277,7 @@ def control_roles(method:str, controls:list) -> dict:
     "`method`'s controls by what they stand for, read from their names: `random` (random choice at its share), `same_plain` and `same_random` (the plain model and random choice at its own work), `rate` (the plain model at its rate), `self` (the filter scored by the model itself)"
     out = {}
     for c in map(judged_method, controls):
+        if c.reach_of: continue   # random choice past the method's work: a point of random choice's curve, no role of its own
         at = c.run.get('same_work') == work_slug(method)
         out.setdefault(('same_plain' if c.cls is None else 'same_random') if at else 'random' if c.name in BLIND else 'rate' if c.cls is None else 'self', c.spec)
     return out

@@ -178,7 +178,7 @@ def test_long_preset_runs_the_controls_and_gives_verdicts(long_run):
     assert saved['preset'] == 'long' and saved['seeds'] == 2 and saved['evals_per_epoch'] == 2 and saved['augment'] is False
     assert saved['controls']['budgets'] == ['baseline:epochs=2', 'baseline:epochs=3', 'baseline:epochs=5']   # .6, .75, .9 and 1.25 of 4 epochs
     ctl = saved['controls']['of']
-    assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and all('same_work=stale' in c for c in ctl['stale'][1:])
+    assert ctl['blf:skip_epochs=0'][0].startswith('random_batch:keep=') and all('same_work=stale' in c or 'reach=stale' in c for c in ctl['stale'][1:]) and any('reach=stale' in c for c in ctl['stale'])
     assert ctl['stale'][1] == 'baseline:same_work=stale'   # the plain model at its own work joins every method's controls
     assert ctl['stale'][0].startswith('random:keep=') and 'lr_scale' not in ctl['stale'][0]
     # hide raises the rate: its random control raises it too, and the plain baseline runs at its mean multiplier
