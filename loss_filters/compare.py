@@ -15,7 +15,7 @@ from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range, check_int
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
-                               seeded_proxy, proxy_costs, control_specs, BLIND)
+                               seeded_proxy, proxy_costs, control_specs, upgrade_run, BLIND)
 from .verdicts import summarise, add_verdicts, best_plain, knee_target
 from .report import (verdict_lines, seeds_text, metric_label, estimate_text, summary_text, summary_frame, full_text)
 from .plots import budget_figure, time_figure, save_figure, plot_colors
@@ -160,7 +160,7 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
     differ = [k for k in _RUN_KEYS if k != 'score_cost' and saved.get(k) != settings[k]]
     if differ: raise ValueError(f"{folder} holds runs with other settings ({', '.join(f'{k}={saved.get(k)!r}' for k in differ)}): "
                                 "use another `folder`, or `resume=False` to start over")
-    runs = [json.loads(l) for l in runs_f.read_text().splitlines() if l.strip()]
+    runs = [upgrade_run(json.loads(l)) for l in runs_f.read_text().splitlines() if l.strip()]
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
 
 # %% ../nbs/08_compare.ipynb #64dadaf3
@@ -168,7 +168,7 @@ _SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', '
 
 def metric_unit(metric:str, runs:list) -> str:
     "'points' for a share metric (accuracy, error rate, F1, Dice: every value in [0, 1]), whose differences read in points; else the metric's own name"
-    vals = [abs(r['final_accuracy']) for r in runs if r.get('final_accuracy') is not None]
+    vals = [abs(r['final_metric']) for r in runs if r.get('final_metric') is not None]
     return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric_label(metric)
 
 def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
@@ -187,7 +187,7 @@ def read_runs(path) -> list:
     path = Path(path)
     f = path / 'runs.jsonl' if path.is_dir() else path
     text = gzip.decompress(f.read_bytes()).decode() if f.suffix == '.gz' else f.read_text()
-    return [json.loads(l) for l in text.splitlines() if l.strip()]
+    return [upgrade_run(json.loads(l)) for l in text.splitlines() if l.strip()]   # under today's names
 
 def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or `lf_bench`), a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
                     alpha:float=.05, # the level of every test
@@ -199,7 +199,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
                    ) -> Comparison:
     "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`; runs of a method this version no longer has are judged from their numbers"
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
-    runs = [dict(r) for r in (list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved))]
+    runs = [upgrade_run(r) for r in (list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved))]
     conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
     settings = json.loads(conf.read_text()) if conf is not None and conf.exists() else dict(metric='accuracy', sign=1)
     sign = settings.get('sign', 1)
@@ -207,7 +207,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
         r.setdefault('history', [])   # runs saved without their checks: judged on their final value and work
         if r['history'] and 'trained' in r['history'][-1] and (score_cost is not None or judged_method(r['method']).name in BLIND):
             add_work(r, settings.get('score_cost', 0.) if score_cost is None else score_cost, _proxy_of(r, proxy_cost, settings))
-    refs = [r for r in runs if r.get('reference')] + ([dict(r) for r in (reference if isinstance(reference, (list, tuple)) else read_runs(reference))]
+    refs = [r for r in runs if r.get('reference')] + ([upgrade_run(r) for r in (reference if isinstance(reference, (list, tuple)) else read_runs(reference))]
                                                        if reference is not None else [])
     if target is None and refs:
         target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_seeds=len(refs))

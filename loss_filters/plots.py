@@ -72,19 +72,19 @@ def budget_figure(rows:list, # the summary rows
     "Final value against work (plain epochs): the plain model's curve over its schedules, every method and control over it (controls hollow, in their method's colour), the median over seeds with its range"
     ax, label = _axes(ax, (9, 4.5)), metric_label(label)
     col = colors or plot_colors([r['method'] for r in rows], control_of)
-    curve = sorted((r['work'], sign * r['final_accuracy']) for r in rows if r['method'] in [*budgets, 'baseline'])
+    curve = sorted((r['work'], sign * r['final_metric']) for r in rows if r['method'] in [*budgets, 'baseline'])
     ax.plot(*zip(*curve), '-', color='black', lw=1, label='plain model, its schedules')
     mk = plain_markers(budgets)
     for r in rows:
         if r['method'] in [*budgets, 'baseline']:
-            ax.plot(r['work'], sign * r['final_accuracy'], mk.get(r['method'], 'o'), color=col.get(r['method'], 'grey'), ms=6, label=short_label(r['method']))
+            ax.plot(r['work'], sign * r['final_metric'], mk.get(r['method'], 'o'), color=col.get(r['method'], 'grey'), ms=6, label=short_label(r['method']))
     controls = control_specs(control_of)
     others = [r for r in rows if r['method'] not in [*budgets, 'baseline']]
     span = (max(w for w, _ in curve) - min(w for w, _ in curve)) or 1.
     xs = _spread_x([r['work'] for r in others], span / 80)   # two controls at the same work side by side, not on top of each other
     for x, r in zip(xs, others):
         c = col.get(r['method'], 'grey')
-        ax.errorbar(x, sign * r['final_accuracy'], yerr=(r.get('final_accuracy_spread') or 0) / 2, fmt='s' if r['method'] in controls else 'o', ms=6, capsize=2,
+        ax.errorbar(x, sign * r['final_metric'], yerr=(r.get('final_metric_spread') or 0) / 2, fmt='s' if r['method'] in controls else 'o', ms=6, capsize=2,
                     mfc='none' if r['method'] in controls else c, color=c, label=short_label(r['method']) + (' (control)' if r['method'] in controls else ''))
     if target is not None: ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
     ax.set(xlabel='work (plain epochs: examples trained, and scored at their cost)', ylabel=f'final {label} (median over seeds)',
@@ -98,7 +98,7 @@ def _median_curve(rs:list, sign:int) -> tuple:
     n = min(len(r['history']) for r in rs)
     med = lambda xs: statistics.median(xs)
     return ([0.] + [med([r['history'][k]['train_s'] for r in rs]) for k in range(n)],
-            [None] + [sign * med([r['history'][k]['accuracy'] for r in rs]) for k in range(n)])
+            [None] + [sign * med([r['history'][k]['metric'] for r in rs]) for k in range(n)])
 
 def time_figure(runs:list, # the runs
                 target:float, # the oriented target
@@ -114,7 +114,7 @@ def time_figure(runs:list, # the runs
         ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), mk.get(m, 'o') + ('--' if m in controls else '-'), color=col.get(m, 'grey'),
                 label=short_label(m), ms=3, lw=1.2, mfc='none' if m in controls else None)
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
-    late = [sign * e['accuracy'] for r in runs for e in r['history'][len(r['history']) // 2:]]
+    late = [sign * e['metric'] for r in runs for e in r['history'][len(r['history']) // 2:]]
     ax.set(xlabel='training seconds (median over seeds)', ylabel=f'{label} (median over seeds)', title='The metric against training time')
     if sign > 0: ax.set_ylim(min(late) - .02, None)
     else: ax.set_ylim(None, max(late) + .02)
@@ -136,8 +136,8 @@ def kept_figure(runs:list):
     return fig
 
 def save_figure(fig, path:Path) -> Path:
-    "Write `fig` as a PNG at `path`, close it, and return the path"
-    fig.savefig(path, dpi=110); _plt().close(fig)
+    "Write `fig` as a PNG at `path` (grown to hold a legend outside the axes, and a title wider than them), close it, and return the path"
+    fig.savefig(path, dpi=110, bbox_inches='tight'); _plt().close(fig)
     return Path(path)
 
 # %% ../nbs/07_plots.ipynb #610f6598

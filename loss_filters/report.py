@@ -85,7 +85,7 @@ def target_text(r:dict, has_budgets:bool) -> str:
 
 def no_verdict_text(r:dict, has_budgets:bool=True) -> str|None:
     "Why the method in row `r` has no verdict, in words (the one ladder of reasons, for every view); None where it has one"
-    word, unit, v = payoff_word(r, has_budgets), r.get('unit', 'points'), r.get('vs_budget')
+    word, unit, v = payoff_word(r, has_budgets), r.get('unit', 'points'), r.get('at_work')
     if word == 'never filtered': return "never filtered: the fit is too short for its schedule, so it trained like the plain model"
     if word == 'no verdict (no other plain schedule)':
         return "no verdict: training less was not run (`controls=True` runs it), so there is no plain curve to read at its work"
@@ -100,7 +100,7 @@ def no_verdict_text(r:dict, has_budgets:bool=True) -> str|None:
 def payoff_line(r:dict, has_budgets:bool=True) -> str:
     "Whether the method in row `r` pays on this data, in one line: the first reading (at equal work against training less), then random choice, then time to the target"
     m, a, unit = r['method'], r.get('alpha', .05), r.get('unit', 'points')
-    word, v, second = payoff_word(r, has_budgets), r.get('vs_budget'), target_text(r, has_budgets)
+    word, v, second = payoff_word(r, has_budgets), r.get('at_work'), target_text(r, has_budgets)
     tail = f"; {second}" if second else ''
     if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}{tail}"
     head = f"at {pct_text(a)} ({seeds_text(v['n'])})"
@@ -109,7 +109,7 @@ def payoff_line(r:dict, has_budgets:bool=True) -> str:
 
 def _seeds_plan(r:dict, word:str) -> str:
     "How many seeds a gain of the size measured needs to show, where it is not shown above training less: more seeds do not help a gain shown there but not over random choice"
-    v, a = r['vs_budget'], r.get('alpha', .05)
+    v, a = r['at_work'], r.get('alpha', .05)
     if not (word == 'no gain shown' and v['diff'] > 0 and v.get('sd') and v['verdict'] != 'beats'): return ''
     k = seeds_needed(v['diff'], v['sd'], a)
     return f"; a gain of this size at this spread needs about {k} seeds to show" if k else "; a gain of this size at this spread needs more than 100 seeds to show"
@@ -122,7 +122,7 @@ def target_cell(r:dict, has_budgets:bool=True) -> str:
 
 def _batch_note(r:dict) -> str:
     "Why a method above training less still does not pay, or that it also beats random choice at its share: the plain model at a smaller batch; '' where neither applies"
-    v, rand, word = r.get('vs_budget') or {}, r.get('vs_random_work') or r.get('vs_random'), payoff_word(r)
+    v, rand, word = r.get('at_work') or {}, r.get('vs_random_work') or r.get('vs_random'), payoff_word(r)
     what = f"random choice {'at equal work' if r.get('vs_random_work') else 'at its share'} (the plain model at a smaller batch)"
     if word == 'pays': return f"and it ends above {what}"
     if v.get('verdict') != 'beats': return ''
@@ -142,7 +142,7 @@ def method_note(r:dict, has_budgets:bool=True) -> str:
     "One line on a method beside the verdict table: why it has no verdict, or what its controls add (random choice, the model scoring itself, the plain model) and the seeds a gain of its size needs"
     m, unit, a, word = r['method'], r.get('unit', 'points'), r.get('alpha', .05), payoff_word(r, has_budgets)
     if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}"
-    v, notes = r['vs_budget'], []
+    v, notes = r['at_work'], []
     if word != 'pays' and (why := _batch_note(r)): notes.append(f"above training less at its work ({diff_text(v['diff'], unit)}), {why}")
     elif r.get('vs_random_work'): notes.append(_random_note(r['vs_random_work'], unit, word == 'pays', 'at equal work'))
     elif r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit, word == 'pays'))
@@ -181,7 +181,7 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
         if m == 'baseline' or m in budgets or m in controls: continue
         if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
         s = f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {_to_target_words(r)}"
-        if r.get('vs_budget'): s += f"; final value {equal_work_text(r['vs_budget'], unit)}"
+        if r.get('at_work'): s += f"; final value {equal_work_text(r['at_work'], unit)}"
         for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'), ('vs_random_work', 'random choice at equal work'),
                         ('vs_self', 'the same filter scored by the model itself')):
             if r.get(k): s += f"; final value {points_text(r[k], what, unit)}"
@@ -189,7 +189,7 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
             s += f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within {diff_text(r['vs_plain']['margin'], unit).lstrip('+')} of the plain model"
         for c in control_of.get(m, []):
             if c in by and c.startswith('baseline') and 'same_work' not in judged_method(c).run:
-                s += f"; {diff_text(r['final_accuracy'] - by[c]['final_accuracy'], unit)} against `{c}`, its rate raise without the selection (medians)"
+                s += f"; {diff_text(r['final_metric'] - by[c]['final_metric'], unit)} against `{c}`, its rate raise without the selection (medians)"
         out.append(s)
         wx, tx = r.get('work_x'), r.get('target_x')
         if base and wx and tx and abs(math.log(wx / tx)) > math.log(1.1) and r.get('work') and base.get('work'):
@@ -198,9 +198,9 @@ def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
 
 # %% ../nbs/06a_report.ipynb #25f5870a
 _cols = [('method', '{}'), ('epochs', '{}'), ('train_s', '{:.1f}'), ('target_s', '{:.1f}'), ('reached', '{}'),
-         ('final_accuracy', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('work', '{:.2f}'), ('work_to_target', '{:.2f}'),
+         ('final_metric', '{:.4f}'), ('mean_samp_perc', '{:.3f}'), ('work', '{:.2f}'), ('work_to_target', '{:.2f}'),
          ('work_x', '{:.2f}x'), ('work_x_ci', '{}'), ('target_x', '{:.2f}x'), ('total_x', '{:.2f}x'), ('vs_best_plain_work_x', '{:.2f}x'),
-         ('vs_best_plain_work_ci', '{}'), ('vs_best_plain_x', '{:.2f}x'), ('vs_budget', '{}'), ('vs_random', '{}')]
+         ('vs_best_plain_work_ci', '{}'), ('vs_best_plain_x', '{:.2f}x'), ('at_work', '{}'), ('vs_random', '{}')]
 
 def ci_level(rows:list) -> int:
     "The intervals' level of `rows` in percent (90 for the default 5% tests)"
@@ -208,19 +208,19 @@ def ci_level(rows:list) -> int:
 
 def table_columns(rows:list, metric:str='accuracy') -> list:
     "The table's column names: an interval column named with its level (`work_x_ci90`), the final value under the metric's own name"
-    return [k + str(ci_level(rows)) if k.endswith('_ci') else f'final_{metric}' if k == 'final_accuracy' else k for k, _ in _cols]
+    return [k + str(ci_level(rows)) if k.endswith('_ci') else f'final_{metric}' if k == 'final_metric' else k for k, _ in _cols]
 
 def format_table(rows:list, metric:str='accuracy', sign:int=1) -> str:
     "The summary as a plain-text table: medians with `±spread` (max - min) over runs; `_x` ratios as geometric means; `_ciNN`: NN% t intervals over seeds; `reached`: runs that reached the target; accuracy verdicts in points with the test's word"
     def cell(r, k, f):
         if k == 'method': return r[k] + (' [never filtered]' if r.get('never_filtered') else '')
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
-        if k in ('vs_budget', 'vs_random'):   # points, then the verdict of the test
+        if k in ('at_work', 'vs_random'):   # points, then the verdict of the test
             return f"{diff_text(r[k]['diff'], r.get('unit', 'points')).split()[0]} {r[k]['verdict']}" if r.get(k) else '-'
         if k.endswith('_ci'): return ci_text(r.get(k)) or '-'
         v = r.get(k)
         if v is None: return '-'
-        if k == 'final_accuracy': v = sign * v   # the metric in its own units (held oriented, higher better, inside)
+        if k == 'final_metric': v = sign * v   # the metric in its own units (held oriented, higher better, inside)
         s = f.format(v)
         sp = r.get(k + '_spread')
         return s + (f" ±{f.format(sp).rstrip('x')}" if sp and r.get('repeats', 1) > 1 else '')
@@ -272,8 +272,8 @@ def judged_rows(cmp) -> list:
 
 def seconds_cell(r:dict, has_budgets:bool) -> str|None:
     "The first reading in seconds in a table cell: its word and what the better alternative needs (`'pays, 1.25x'`); None where seconds were not read"
-    v = r.get('vs_budget_s')
-    return f"{payoff_word(r, has_budgets, 'vs_budget_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
+    v = r.get('at_work_s')
+    return f"{payoff_word(r, has_budgets, 'at_work_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
 
 def _num(x:float, unit:str) -> str: return diff_text(x, unit).split()[0]   # the number alone: the unit is said once, in a legend or a column before
 
@@ -293,7 +293,7 @@ def summary_text(cmp) -> str:
     lvl, has, unit, a = ci_level(cmp.rows), bool(cmp.budgets), cmp.unit, cmp.alpha
     rows, tgt = judged_rows(cmp), f"{cmp.target_value:.4f}"
     table = text_table([['method', 'verdict', 'at equal work', 'an alternative needs', 'in seconds']] +
-                       [[r['method'], payoff_word(r, has).split(' (')[0], _interval(r.get('vs_budget'), unit), _needs(r.get('vs_budget')),
+                       [[r['method'], payoff_word(r, has).split(' (')[0], _interval(r.get('at_work'), unit), _needs(r.get('at_work')),
                          seconds_cell(r, has) or 'not read'] for r in rows])
     better = 'lower' if cmp.sign < 0 else 'higher'
     head = (f"{metric_label(cmp.metric)} ({better} is better), {seeds_text(cmp.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
@@ -316,12 +316,12 @@ def brief_table(cmp) -> str:
     held = lambda v: '' if not v else f"{diff_text(v['diff'], unit)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
     alt = lambda v: mult_text(v.get('best_x'), v.get('best_x_censored')) if v and v.get('best_x') is not None else ''
     rows = judged_rows(cmp)
-    own, at_work, secs = (any(r.get(k) for r in rows) for k in ('vs_self', 'vs_random_work', 'vs_budget_s'))   # the columns of readings that were made
+    own, at_work, secs = (any(r.get(k) for r in rows) for k in ('vs_self', 'vs_random_work', 'at_work_s'))   # the columns of readings that were made
     cols = ['method', 'seeds', 'equal_work', f'ci{lvl}', f'payoff_at_{pct_text(cmp.alpha)}', 'vs_plain', 'vs_random',
             'to_target', f'ci{lvl}'] + ['vs_self_scored'] * own + ['vs_random_at_work', 'alternative_needs'] * at_work + ['in_seconds'] * secs
-    return text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('vs_budget')), ci(r.get('vs_budget')), payoff_word(r, has),
+    return text_table([cols] + [[r['method'], str(r.get('seeds', 1)), pts(r.get('at_work')), ci(r.get('at_work')), payoff_word(r, has),
                                  held(r.get('vs_plain')), pts(r.get('vs_random')), target_cell(r, has), ci_text(r.get('vs_best_plain_work_ci')) or '']
-                                + [pts(r.get('vs_self'))] * own + [pts(r.get('vs_random_work')), alt(r.get('vs_budget'))] * at_work
+                                + [pts(r.get('vs_self'))] * own + [pts(r.get('vs_random_work')), alt(r.get('at_work'))] * at_work
                                 + [seconds_cell(r, has) or ''] * secs for r in rows])
 
 def payoff_lines(cmp) -> list:
@@ -346,10 +346,10 @@ def summary_frame(cmp):
     out, judged = [], {r['method'] for r in judged_rows(cmp)}
     for r in cmp.rows:
         d = dict(method=r['method'] if r['method'] in judged or r['method'] == 'baseline' else short_label(r['method']), spec=r['method'])   # a control or schedule by a short name
-        for col, k in _shown: d[f'final_{cmp.metric}' if col == 'final' else col] = cmp.sign * r['final_accuracy'] if k is None else r.get(k)
+        for col, k in _shown: d[f'final_{cmp.metric}' if col == 'final' else col] = cmp.sign * r['final_metric'] if k is None else r.get(k)
         for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(cmp.rows))] = ci_text(d.pop(k))   # t intervals over seeds
-        for k in ('vs_budget', 'vs_random', 'vs_self'): d[k] = f"{diff_text(r[k]['diff'], cmp.unit)} {r[k]['verdict']}" if r.get(k) else None   # + is better
-        v = r.get('vs_budget') or {}
+        for k in ('at_work', 'vs_random', 'vs_self'): d[k] = f"{diff_text(r[k]['diff'], cmp.unit)} {r[k]['verdict']}" if r.get(k) else None   # + is better
+        v = r.get('at_work') or {}
         d['training_less_needs'] = mult_text(v.get('x'), v.get('x_censored')) if v else None   # the first reading as a work multiplier
         d['payoff'] = payoff_word(r, bool(cmp.budgets)) if r['method'] in judged else None
         out.append(d)

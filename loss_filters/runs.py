@@ -21,8 +21,8 @@ from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPrunin
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'is_plain_schedule', 'control_specs', 'work_slug', 'Method',
            'parse_method', 'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device',
            'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule', 'seeded_proxy',
-           'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost', 'learner_proxy_cost',
-           'learner_flop_costs', 'proxy_costs']
+           'upgrade_run', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost',
+           'learner_proxy_cost', 'learner_flop_costs', 'proxy_costs']
 
 # %% ../nbs/05_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -175,13 +175,13 @@ class EpochClock(Callback):
         sync_device(); self.train_s += time.perf_counter() - self.t0
         value = self.check(self.learn.model, self.dls.valid)
         self.history.append(dict(epoch=self.epoch + (self.iter + 1) / n, train_s=self.train_s, wall_s=time.perf_counter() - self.t_fit,
-                                 accuracy=self.sign * value, valid_loss=None, samp_perc=None, **self._work()))
+                                 metric=self.sign * value, valid_loss=None, samp_perc=None, **self._work()))
         sync_device(); self.t0 = time.perf_counter()
     def after_epoch(self):
         rec = dict(zip(self.recorder.metric_names[1:], self.recorder.values[-1]))
         if self.metric not in rec: raise ValueError(f"`metric` {self.metric!r} is not recorded by this Learner; it records {', '.join(rec)}")
         self.history.append(dict(epoch=self.epoch + 1, train_s=self.train_s, wall_s=time.perf_counter() - self.t_fit,
-                                 accuracy=self.sign * float(rec[self.metric]), valid_loss=rec.get('valid_loss'),
+                                 metric=self.sign * float(rec[self.metric]), valid_loss=rec.get('valid_loss'),
                                  samp_perc=rec.get('samp_perc', 1.), **self._work()))
 
 # %% ../nbs/05_runs.ipynb #2b2f3aad
@@ -239,7 +239,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     if not h: raise ValueError(f"the fit of {spec!r} recorded no epoch: does `fit` train the Learner it is given?")
     diag = _save_diagnostics(filt, Path(diag) / f'diag_{_slug(m.spec)}.png') if diag is not None and filt is not None else None
     return dict(diagnostics=diag, method=m.spec, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
-                final_accuracy=h[-1]['accuracy'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
+                final_metric=h[-1]['metric'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
                 trained=h[-1]['trained'], scored=h[-1]['scored'], proxy_scored=h[-1]['proxy_scored'], proxy_trained=h[-1]['proxy_trained'],
                 plain_epoch=plain_epoch_size(learn.dls.train.n, learn.dls.train.bs, learn.dls.train.drop_last),
                 lr_mult=getattr(filt, 'mean_lr_mult', 1.), history=h,
@@ -263,19 +263,25 @@ def seeded_proxy(make_proxy, width:float, seed:int, spec:str='') -> torch.nn.Mod
         return make_proxy(width)
 
 # %% ../nbs/05_runs.ipynb #4f5be553
-def time_to_target(history:list, # checks: dicts with `accuracy` (oriented: higher is better) and `key`
+def upgrade_run(run:dict) -> dict:
+    "A copy of a saved run under today's names: `final_metric` and each check's `metric` (saved before as `final_accuracy` and `accuracy`), the metric oriented higher-is-better whatever it is"
+    r = {('final_metric' if k == 'final_accuracy' else k): v for k, v in run.items()}
+    if any('accuracy' in e for e in r.get('history') or ()): r['history'] = [{('metric' if k == 'accuracy' else k): v for k, v in e.items()} for e in r['history']]
+    return r
+
+def time_to_target(history:list, # checks: dicts with `metric` (the metric's value, oriented: higher is better) and `key`
                    target:float, # the oriented target
                    key:str='train_s' # the figure to read: `train_s`, `wall_s`, `work`
                   ) -> float|None: # `key` where the metric reaches `target` to stay, interpolated between checks; None if its last check is below
     "Training seconds (or another figure `key`, such as `work`) from which the history stays at or above `target` to its end: the same rule for every run, a method's and a plain schedule's"
-    hs = [e for e in history if e['accuracy'] is not None]
-    if not hs or hs[-1]['accuracy'] < target - 1e-9: return None   # a run that ends below the target has not reached it
+    hs = [e for e in history if e['metric'] is not None]
+    if not hs or hs[-1]['metric'] < target - 1e-9: return None   # a run that ends below the target has not reached it
     i = len(hs) - 1
-    while i > 0 and hs[i - 1]['accuracy'] >= target - 1e-9: i -= 1   # back to the first check of the last stretch at or above it
+    while i > 0 and hs[i - 1]['metric'] >= target - 1e-9: i -= 1   # back to the first check of the last stretch at or above it
     e = hs[i]
     if i == 0: return e[key]
     prev = hs[i - 1]   # below the target: the crossing lies between the two checks
-    f = (target - prev['accuracy']) / (e['accuracy'] - prev['accuracy'])
+    f = (target - prev['metric']) / (e['metric'] - prev['metric'])
     return prev[key] + max(0., min(1., f)) * (e[key] - prev[key])
 
 BLIND = ('random', 'random_batch')   # the controls that choose at random: their choice needs no score

@@ -49,7 +49,7 @@ def summarise(runs:list, target:float|None=None, target_drop:float|None=None, al
     base = [r for r in runs if r['method'] == 'baseline']
     if target is None:
         if not base: raise ValueError("without a `baseline` method the `target` accuracy must be given")
-        med = _med([r['final_accuracy'] for r in base])[0]
+        med = _med([r['final_metric'] for r in base])[0]
         target = med - (default_drop(med) if target_drop is None else target_drop)
     for r in runs:
         r['target_s'] = time_to_target(r['history'], target)
@@ -62,7 +62,7 @@ def summarise(runs:list, target:float|None=None, target_drop:float|None=None, al
     for m in methods:
         rs = [r for r in runs if r['method'] == m]
         row = dict(method=m, epochs=rs[0]['epochs'], repeats=len(rs), seeds=len({r.get('seed') for r in rs}), alpha=alpha)
-        for k in ('train_s', 'wall_s', 'target_s', 'final_accuracy', 'mean_samp_perc', 'work', 'work_to_target', 'lr_mult'):
+        for k in ('train_s', 'wall_s', 'target_s', 'final_metric', 'mean_samp_perc', 'work', 'work_to_target', 'lr_mult'):
             row[k], row[k + '_spread'] = _med([r.get(k) for r in rs])
         for k in _paired: row[k], row[k + '_spread'] = _gmean([r.get(k) for r in rs])
         wx = per_seed([(r.get('seed'), r.get('work_x')) for r in rs])   # a seed that misses the target: no test over the others alone
@@ -93,7 +93,7 @@ def plain_curve(runs:list, # the runs of a comparison
     "The plain model's final value against work over every seed: `points` `[(work, value, n)]` that never fall, `var` the runs' pooled variance about their schedule's mean, `df` its degrees of freedom"
     by = {}
     for r in runs:
-        if r['method'] in plain and r.get('work') is not None: by.setdefault(r['method'], []).append((r['work'], r['final_accuracy']))
+        if r['method'] in plain and r.get('work') is not None: by.setdefault(r['method'], []).append((r['work'], r['final_metric']))
     if len(by) < 2: return None
     pts = sorted((statistics.fmean(w for w, _ in xs), statistics.fmean(a for _, a in xs), len(xs)) for xs in by.values())
     ss = sum(sum((a - statistics.fmean(b for _, b in xs)) ** 2 for _, a in xs) for xs in by.values())
@@ -139,7 +139,7 @@ def _interp(curve:list, t:float) -> tuple:
 
 def _own_value(run:dict, runs:list, plain:list):
     "The plain value at `run`'s work read off its own seed's plain runs (interpolated between two schedules); None where they do not span its work"
-    own = sorted((x['work'], x['final_accuracy'], 0.) for x in runs if _seed_repeat(x) == _seed_repeat(run) and x['method'] in plain and x.get('work') is not None)
+    own = sorted((x['work'], x['final_metric'], 0.) for x in runs if _seed_repeat(x) == _seed_repeat(run) and x['method'] in plain and x.get('work') is not None)
     return _interp(own, run['work'])[0] if len(own) > 1 else None
 
 def random_points(runs:list) -> list:
@@ -147,7 +147,7 @@ def random_points(runs:list) -> list:
     by = {}
     for r in runs:
         if r.get('work') is not None and judged_method(r['method']).name in BLIND: by.setdefault(r['method'], []).append(r)
-    return sorted((statistics.fmean(r['work'] for r in rs), statistics.fmean(r['final_accuracy'] for r in rs), m) for m, rs in by.items())
+    return sorted((statistics.fmean(r['work'] for r in rs), statistics.fmean(r['final_metric'] for r in rs), m) for m, rs in by.items())
 
 def alternative_work(curve:dict, # the plain curve (`plain_curve`)
                      rand:list, # random choice's points, `random_points(runs)`
@@ -180,12 +180,12 @@ def equal_work(runs:list, # the runs of a comparison
     work = statistics.fmean(r['work'] for r in ms)
     base, var = curve_at(curve, work)
     if base is None: return None   # the method's work lies outside the plain schedules' range: no curve to read there
-    paired = per_seed([(r.get('seed'), None if (c := _own_value(r, runs, plain)) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
+    paired = per_seed([(r.get('seed'), None if (c := _own_value(r, runs, plain)) is None else r['final_metric'] - c) for r in ms], ratio=False)
     at_work = _paired_diffs(method, _run_of(same), runs) if same else [None]
     if at_work and None not in at_work: t, how = paired_test(at_work, alpha), 'same work'   # each seed against the plain model run at its own work
     elif None not in paired: t, how = paired_test(paired, alpha), 'paired'   # each seed against its own plain runs: the seed's luck cancels
     else:   # a seed without its own plain runs at that work: against the curve over every seed, its own error counted
-        diffs = per_seed([(r.get('seed'), None if (c := curve_at(curve, r['work'])[0]) is None else r['final_accuracy'] - c) for r in ms], ratio=False)
+        diffs = per_seed([(r.get('seed'), None if (c := curve_at(curve, r['work'])[0]) is None else r['final_metric'] - c) for r in ms], ratio=False)
         if None in diffs: return None
         t, how = curve_test(diffs, var, curve['df'], alpha), 'fitted curve'
     verdict, bend = _WORDS[shown(t)], 0. if how == 'same work' else bend_room(curve, work)   # run at its work, the plain model leaves no bend to bound
@@ -205,12 +205,12 @@ def equal_work(runs:list, # the runs of a comparison
 def knee_target(runs:list # reference runs of the plain model (same checks), on seeds the comparison does not judge
                ) -> dict:
     "The target right after the knee of the reference runs' mean curve: `target` (oriented), the check's `epoch` and `work`, and the reference seeds' work to it"
-    hs = [[e for e in r['history'] if e.get('accuracy') is not None] for r in runs]
+    hs = [[e for e in r['history'] if e.get('metric') is not None] for r in runs]
     if not hs or min(map(len, hs)) < 3: raise ValueError("`knee_target` needs reference runs with at least three checks each")
     n = min(map(len, hs))
     key = 'work' if all('work' in e for h in hs for e in h) else 'epoch'
     mw = [statistics.fmean(h[k][key] for h in hs) for k in range(n)]
-    mv = [statistics.fmean(h[k]['accuracy'] for h in hs) for k in range(n)]
+    mv = [statistics.fmean(h[k]['metric'] for h in hs) for k in range(n)]
     sx, sy = (mw[-1] - mw[0]) or 1., (mv[-1] - mv[0]) or 1.
     knee = max(range(n), key=lambda k: (mv[k] - mv[0]) / sy - (mw[k] - mw[0]) / sx)
     k = min(knee + 1, n - 1)   # right after the knee
@@ -228,8 +228,8 @@ def _acc_test(diffs:list, alpha:float) -> dict|None:
 def best_plain(rows:list, plain:list, target:float) -> dict:
     "The cheapest plain schedule to `target`, in training seconds and in work: the plain runs' costs to it, and where the budget curve crosses it"
     # the crossing is interpolated between the last schedule that ends below the target and the next, which ends above it
-    pts = sorted((r['work'], r['train_s'], r['final_accuracy']) for r in rows if r['method'] in plain and r.get('work') is not None)
-    reach = [r for r in rows if r['method'] in plain and r['final_accuracy'] >= target - 1e-9]
+    pts = sorted((r['work'], r['train_s'], r['final_metric']) for r in rows if r['method'] in plain and r.get('work') is not None)
+    reach = [r for r in rows if r['method'] in plain and r['final_metric'] >= target - 1e-9]
     work = [r['work_to_target'] for r in reach if r.get('work_to_target') is not None]
     time_ = [r['target_s'] for r in reach if r.get('target_s') is not None]
     for (w0, t0, a0), (w1, t1, a1) in zip(pts, pts[1:]):
@@ -266,12 +266,12 @@ def _paired_diffs(m:str, other, runs:list) -> list:
     out = []
     for run in (x for x in runs if x['method'] == m):
         o = other(run, [x for x in runs if _seed_repeat(x) == _seed_repeat(run)])
-        out.append((run.get('seed'), None if o is None else run['final_accuracy'] - o))
+        out.append((run.get('seed'), None if o is None else run['final_metric'] - o))
     return per_seed(out, ratio=False)
 
 def _run_of(method:str):
     "The final value of `method`'s run among the same seed's runs"
-    return lambda run, mine: next((x['final_accuracy'] for x in mine if x['method'] == method), None)
+    return lambda run, mine: next((x['final_metric'] for x in mine if x['method'] == method), None)
 
 def control_roles(method:str, controls:list) -> dict:
     "`method`'s controls by what they stand for, read from their names: `random` (random choice at its share), `same_plain` and `same_random` (the plain model and random choice at its own work), `rate` (the plain model at its rate), `self` (the filter scored by the model itself)"
@@ -303,7 +303,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
     "Each method at equal work against the plain curve (the first reading), to `target` against the cheapest plain schedule (the second), against its random control and the plain model, tested over seeds at `alpha`"
     by = {r['method']: r for r in rows}
     plain = [m for m in ['baseline', *budgets] if m in by]
-    pcurve = sorted((by[m]['work'], by[m]['final_accuracy'], 0.) for m in plain if by[m].get('work') is not None)
+    pcurve = sorted((by[m]['work'], by[m]['final_metric'], 0.) for m in plain if by[m].get('work') is not None)
     controls = control_specs(control_of)
     roles = {m: control_roles(m, cs) for m, cs in control_of.items()}
     at_work = {m: (rs.get('same_plain'), rs.get('same_random')) for m, rs in roles.items()}   # each method's plain and random runs at its own work
@@ -326,8 +326,8 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         same_plain, same_rand = at_work.get(m, (None, None))
         rand = roles.get(m, {}).get('random')   # random choice at its share
         if runs:
-            if fitted is not None and (ew := equal_work(runs, m, curve_of, alpha, fitted, same_plain if same_plain in by else None, points)): r['vs_budget'] = ew
-            if fitted_s is not None and (ew := equal_work(runs_s, m, curve_of, alpha, fitted_s, rand=points_s)): r['vs_budget_s'] = ew   # seconds: the curve's reading
+            if fitted is not None and (ew := equal_work(runs, m, curve_of, alpha, fitted, same_plain if same_plain in by else None, points)): r['at_work'] = ew
+            if fitted_s is not None and (ew := equal_work(runs_s, m, curve_of, alpha, fitted_s, rand=points_s)): r['at_work_s'] = ew   # seconds: the curve's reading
             elif unread or fitted_s is not None: r['seconds_unread'] = unread or "some of its runs' seconds lie outside the plain schedules' range of seconds"
             for k, c in (('vs_random', rand), ('vs_random_work', same_rand), ('vs_self', roles.get(m, {}).get('self'))):   # None where a seed lacks the control's run
                 if c in by and (t := _acc_test(_paired_diffs(m, _run_of(c), runs), alpha)): r[k] = t | dict(control=c)
@@ -341,8 +341,8 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
         else:   # medians only: the differences, without a test
             untested = lambda diff: dict(diff=diff, lo=None, hi=None, n=1, level=1 - 2 * alpha, alpha=alpha, verdict='no verdict (no per-seed runs)')
             if len(pcurve) > 1 and r.get('work') is not None and (acc := _interp(pcurve, r['work'])[0]) is not None:
-                r['vs_budget'] = untested(r['final_accuracy'] - acc)
-            if rand in by: r['vs_random'] = untested(r['final_accuracy'] - by[rand]['final_accuracy']) | dict(control=rand)
+                r['at_work'] = untested(r['final_metric'] - acc)
+            if rand in by: r['vs_random'] = untested(r['final_metric'] - by[rand]['final_metric']) | dict(control=rand)
     return rows
 
 def payoff_test(r:dict, has_budgets:bool) -> tuple:
@@ -352,11 +352,11 @@ def payoff_test(r:dict, has_budgets:bool) -> tuple:
 _PAYS = {'beats': 'pays', 'loses': 'does not pay', 'no difference shown': 'no gain shown', 'no verdict (1 seed)': 'no verdict (1 seed)',
          'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)', 'within the bend': 'no verdict (bend)'}
 
-def payoff_word(r:dict, has_budgets:bool=True, key:str='vs_budget') -> str:
+def payoff_word(r:dict, has_budgets:bool=True, key:str='at_work') -> str:
     "The first reading in a word or two: 'pays' where the method beats both simple alternatives, training less at its work and random choice (the plain model at a smaller batch: at equal work where it was run, else at its share), each by a one-sided test; 'does not pay', 'no gain shown', 'no verdict (1 seed)', 'no verdict (bend)', 'no verdict (no random control)', 'never filtered', or why there is no reading"
     if r.get('never_filtered'): return 'never filtered'
     if not has_budgets: return 'no verdict (no other plain schedule)'
-    if not r.get(key): return 'no verdict (work outside the plain schedules)'   # `key`: 'vs_budget' reads work, 'vs_budget_s' seconds
+    if not r.get(key): return 'no verdict (work outside the plain schedules)'   # `key`: 'at_work' reads work, 'at_work_s' seconds
     word = _PAYS[r[key]['verdict']]
     if word != 'pays': return word
     if judged_method(r['method']).name in BLIND: return 'no gain shown'   # random choice is the plain model at a smaller batch: nothing to gain

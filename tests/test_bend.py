@@ -31,7 +31,7 @@ def test_bend_room_is_what_the_neighbouring_chords_leave_above_the_line():
 def compute_shape():
     "The compute preset's saved plain runs: a concave curve `a - b exp(-k w)` fitted to each schedule's mean, the spread of a seed (shared by its schedules) and of a run"
     runs = read_runs(RUNS / 'compute_runs.jsonl.gz')
-    fin = {(r['seed'], e): r['final_accuracy'] for e, m in COMPUTE.items() for r in runs if r['method'] == m}
+    fin = {(r['seed'], e): r['final_metric'] for e, m in COMPUTE.items() for r in runs if r['method'] == m}
     seeds = sorted({s for s, _ in fin})
     means = {e: statistics.fmean(fin[s, e] for s in seeds) for e in COMPUTE}
     w, y, best = np.array(sorted(COMPUTE), float), np.array([means[e] for e in sorted(COMPUTE)]), None
@@ -58,8 +58,8 @@ def _draw(f, scheds, work, n_seeds, rng, seed_sd, run_sd, effect=0.) -> list:
     runs = []
     for s in range(n_seeds):
         off = rng.gauss(0, seed_sd)
-        runs += [dict(method=f'plain{e}', seed=s, repeat=0, work=float(e), final_accuracy=f(e) + off + rng.gauss(0, run_sd)) for e in scheds]
-        runs.append(dict(method='m', seed=s, repeat=0, work=work, final_accuracy=f(work) + effect + off + rng.gauss(0, run_sd)))
+        runs += [dict(method=f'plain{e}', seed=s, repeat=0, work=float(e), final_metric=f(e) + off + rng.gauss(0, run_sd)) for e in scheds]
+        runs.append(dict(method='m', seed=s, repeat=0, work=work, final_metric=f(work) + effect + off + rng.gauss(0, run_sd)))
     return runs
 
 def _rates(shape, scheds, work, noise=1., effect=0., draws=600, seed=0):
@@ -116,7 +116,7 @@ def held_out_verdicts() -> list:
             if m == 'baseline': continue
             rs = [dict(r, method=f'baseline:lr_mult=1,epochs={e}') if r['method'] == m else r for r in runs]   # a setting that changes nothing
             c = load_comparison(rs, score_cost=cost[0], proxy_cost=cost[1])
-            v = next(r for r in c.rows if r['method'].startswith('baseline:lr_mult=1,')).get('vs_budget')
+            v = next(r for r in c.rows if r['method'].startswith('baseline:lr_mult=1,')).get('at_work')
             if v and v.get('lo') is not None and not any(e == e2 and v['diff'] == v2['diff'] for _, e2, v2 in out): out.append((Path(f).name, e, v))
     return out   # a reading once: two files that share their plain runs give the same one
 

@@ -74,7 +74,7 @@ def test_a_lower_is_better_metric():
     base = t.loc['baseline', 'final_error_rate']
     assert 0 <= base < .5 and cmp.target_value == pytest.approx(base + .002)   # the target is worse by the drop: a higher error
     for r in cmp.runs:   # the runs hold the error negated; a run reaches the target when its error falls to it
-        errs = [-e['accuracy'] for e in r['history']]
+        errs = [-e['metric'] for e in r['history']]
         assert all(0 <= e <= 1 for e in errs) and (r['target_s'] is not None) == (min(errs) <= cmp.target_value + 1e-9)
     assert t.loc['baseline', 'reached'] >= 1
     declared = compare_filters(lambda: tab_learner(error_rate), 'baseline', epochs=1, seeds=1, controls=False, lower_is_better=False,

@@ -14,14 +14,14 @@ def plain_shapes():
     "The long preset's plain runs: each schedule's mean curve over the seeds, the checks' own noise around their seed's curve, and the final values' spread split into a seed's share (shared by its schedules) and a run's own"
     runs = read_runs(RUNS)
     by = {e: [r for r in runs if r['method'] == m] for e, m in PLAIN.items()}
-    curve = {e: [statistics.fmean(c) for c in zip(*([h['accuracy'] for h in r['history']] for r in rs))] for e, rs in by.items()}
+    curve = {e: [statistics.fmean(c) for c in zip(*([h['metric'] for h in r['history']] for r in rs))] for e, rs in by.items()}
     works = {e: [h['work'] for h in rs[0]['history']] for e, rs in by.items()}
     resid = []   # late checks (the last half of each run) around the mean curve, less the run's own offset
     for e, rs in by.items():
         for r in rs:
-            d = [h['accuracy'] - c for h, c in zip(r['history'], curve[e])][e:]
+            d = [h['metric'] - c for h, c in zip(r['history'], curve[e])][e:]
             resid += [x - statistics.fmean(d) for x in d]
-    final = {(r['seed'], e): r['final_accuracy'] - curve[e][-1] for e, rs in by.items() for r in rs}   # each final about its schedule's mean
+    final = {(r['seed'], e): r['final_metric'] - curve[e][-1] for e, rs in by.items() for r in rs}   # each final about its schedule's mean
     seeds = sorted({s for s, _ in final})
     within = statistics.fmean(statistics.variance([final[s, e] for s in seeds]) for e in PLAIN)   # a final value's variance about its schedule's mean
     seed_var = max(0., statistics.variance([statistics.fmean(final[s, e] for e in PLAIN) for s in seeds]) - within / len(PLAIN))   # one-way ANOVA
@@ -38,9 +38,9 @@ def simulate(shapes, n_seeds:int, noise:float, method_epochs:int, rng:random.Ran
         off = rng.gauss(0, noise * seed_sd)
         for e, name in [*PLAIN.items(), (method_epochs, 'blf')]:
             acc = [c + off + rng.gauss(0, noise * eval_sd) for c in curve[e][:-1]] + [curve[e][-1] + off + rng.gauss(0, noise * run_sd)]
-            hist = [dict(accuracy=a, work=w, train_s=w, samp_perc=1.) for a, w in zip(acc, works[e])]
+            hist = [dict(metric=a, work=w, train_s=w, samp_perc=1.) for a, w in zip(acc, works[e])]
             runs.append(dict(method=name, epochs=e, seed=seed, repeat=0, train_s=works[e][-1], wall_s=works[e][-1], work=works[e][-1],
-                             final_accuracy=acc[-1], mean_samp_perc=.9, history=hist, offset=off))
+                             final_metric=acc[-1], mean_samp_perc=.9, history=hist, offset=off))
     return with_same_work(shapes, runs, noise, rng, SAME if same_work is True else same_work) if same_work else runs
 
 SAME = ['baseline:same_work=blf', 'random_batch:keep=0.800,same_work=blf']   # the plain model and random choice at the method's own work
@@ -58,7 +58,7 @@ def with_same_work(shapes, runs:list, noise:float, rng:random.Random, names:list
     for r in (r for r in runs if r['method'] == 'blf'):
         for name in names:
             acc = at(r['work']) + r['offset'] + rng.gauss(0, noise * run_sd)
-            out.append(dict(r, method=name, final_accuracy=acc, history=[dict(r['history'][-1], accuracy=acc)]))
+            out.append(dict(r, method=name, final_metric=acc, history=[dict(r['history'][-1], accuracy=acc)]))
     return out
 
 @pytest.mark.parametrize('n_seeds', [3, 5])
@@ -105,7 +105,7 @@ def test_a_real_saving_is_shown_at_8_seeds_against_the_alternatives_at_its_work(
     "A true 1.5x saving on the long preset's curves (its work in the two-epoch gap from 5 to 7 epochs), judged against the plain model and random choice run at its own work: no line is read across the bend, so 8 seeds show it at least 70% of the time"
     budgets, rng, draws = [m for e, m in PLAIN.items() if e != 9], random.Random(8), 200
     rows = [_blf(judge(_saving(shapes, 8, rng, same_work=True), budgets, {'blf': SAME}, dict(alpha=.05))) for _ in range(draws)]
-    assert all(r['vs_budget']['how'] == 'same work' and r['vs_budget']['bend'] == 0 for r in rows)
+    assert all(r['at_work']['how'] == 'same work' and r['at_work']['bend'] == 0 for r in rows)
     assert sum(payoff_word(r) == 'pays' for r in rows) / draws >= .7
 
 def test_a_method_that_only_shrinks_the_batch_shows_no_gain(shapes):
@@ -114,7 +114,7 @@ def test_a_method_that_only_shrinks_the_batch_shows_no_gain(shapes):
     for r in runs:
         if r['method'] == 'blf': r['method'] = 'random_batch:keep=.5'
     row = next(r for r in judge(runs, [m for e, m in PLAIN.items() if e != 9], {}, dict(alpha=.05)).rows if r['method'] == 'random_batch:keep=.5')
-    assert row['vs_budget']['verdict'] == 'beats' and payoff_word(row) == 'no gain shown'
+    assert row['at_work']['verdict'] == 'beats' and payoff_word(row) == 'no gain shown'
 
 def test_the_first_readings_intervals_cover_at_their_level(shapes):
     "The 90% interval of the difference at equal work holds the true one (the full schedule's curve over the curve at the method's work), and the multiplier's the true 1.5x"
@@ -126,7 +126,7 @@ def test_the_first_readings_intervals_cover_at_their_level(shapes):
     true_diff = curve[9][-1] - (a0 + (a1 - a0) * (w - w0) / (w1 - w0))
     diff_in = mult_in = 0
     for _ in range(draws):
-        v = _blf(judge(_saving(shapes, 5, rng), budgets, {'blf': []}, dict(alpha=.05)))['vs_budget']
+        v = _blf(judge(_saving(shapes, 5, rng), budgets, {'blf': []}, dict(alpha=.05)))['at_work']
         diff_in += v['lo'] <= true_diff <= v['hi']
         mult_in += v['x_lo'] <= 1.5 and (v['x_hi_censored'] == 'above' or 1.5 <= v['x_hi'])
     assert diff_in / draws >= .85 and mult_in / draws >= .85, (diff_in, mult_in, draws)
@@ -139,10 +139,10 @@ def test_two_machines_runs_of_one_preset_read_alike():
     cost, proxy = bench_work_costs('cnn')   # the bench CNN's operation counts: one scale for both machines
     a = load_comparison(runs_dir / 'long_preset_5seeds_runs.jsonl.gz', score_cost=cost, proxy_cost=proxy)
     b = load_comparison(runs_dir / 'proxy_long_runs.jsonl.gz', score_cost=cost, proxy_cost=proxy)
-    shared = {r['method'] for r in a.rows if r.get('vs_budget')} & {r['method'] for r in b.rows if r.get('vs_budget')}
+    shared = {r['method'] for r in a.rows if r.get('at_work')} & {r['method'] for r in b.rows if r.get('at_work')}
     assert 'blf' in shared
     for m in shared:
-        va, vb = (next(r['vs_budget'] for r in c.rows if r['method'] == m) for c in (a, b))
+        va, vb = (next(r['at_work'] for r in c.rows if r['method'] == m) for c in (a, b))
         se = lambda v: (v['hi'] - v['lo']) / (2 * 2.13)   # a 90% t interval on about 4 degrees of freedom
         assert abs(va['diff'] - vb['diff']) <= 2 * math.hypot(se(va), se(vb)), (m, va['diff'], vb['diff'])
         words = {payoff_word(next(r for r in c.rows if r['method'] == m)) for c in (a, b)}
@@ -150,7 +150,7 @@ def test_two_machines_runs_of_one_preset_read_alike():
 
 def test_work_to_target_counts_from_where_the_run_stays_above_it():
     from loss_filters.runs import time_to_target
-    h = lambda *accs: [dict(accuracy=a, work=float(i + 1)) for i, a in enumerate(accs)]
+    h = lambda *accs: [dict(metric=a, work=float(i + 1)) for i, a in enumerate(accs)]
     assert time_to_target(h(.80, .91, .85, .92, .93), .90, 'work') == pytest.approx(3 + (.90 - .85) / (.92 - .85))   # the dip resets it
     assert time_to_target(h(.80, .91, .89), .90, 'work') is None          # ends below: never reached, whatever it touched on the way
     assert time_to_target(h(.95, .96), .90, 'work') == 1.                 # above from the first check
@@ -160,5 +160,5 @@ def test_a_run_without_its_own_seeds_baseline_is_not_paired_with_another(shapes)
     runs = [r for r in simulate(shapes, 3, 1., 8, random.Random(0)) if not (r['method'] == 'baseline' and r['seed'] == 2)]
     cmp = judge(runs, [m for e, m in PLAIN.items() if e != 9], {'blf': []}, dict(alpha=.05))
     row = next(r for r in cmp.rows if r['method'] == 'blf')
-    assert row['unpaired'] == 1 and row['vs_budget']['n'] == 3 and payoff_word(row, True) != 'pays'
+    assert row['unpaired'] == 1 and row['at_work']['n'] == 3 and payoff_word(row, True) != 'pays'
     assert [r['work_x'] for r in runs if r['method'] == 'blf' and r['seed'] == 2] == [None]

@@ -14,8 +14,8 @@ def _same_runs(a, b):
     "Every trained figure of every run equal, bit for bit (the times aside)"
     assert [(r['method'], r['seed']) for r in a] == [(r['method'], r['seed']) for r in b]
     for r, s in zip(a, b):
-        for k in ('final_accuracy', 'trained', 'scored', 'work', 'kept', 'mean_samp_perc'): assert r[k] == s[k], (r['method'], r['seed'], k)
-        assert [e['accuracy'] for e in r['history']] == [e['accuracy'] for e in s['history']]
+        for k in ('final_metric', 'trained', 'scored', 'work', 'kept', 'mean_samp_perc'): assert r[k] == s[k], (r['method'], r['seed'], k)
+        assert [e['metric'] for e in r['history']] == [e['metric'] for e in s['history']]
 
 @pytest.fixture(scope='module')
 def serial():
@@ -26,7 +26,7 @@ def serial():
 
 def _readings(cmp) -> list:
     "Every reading of work and accuracy (not of seconds, which two runs of one comparison never share)"
-    return [(r['method'], r.get('vs_budget'), r.get('vs_random'), r.get('vs_random_work'), r.get('vs_plain')) for r in cmp.rows]
+    return [(r['method'], r.get('at_work'), r.get('vs_random'), r.get('vs_random_work'), r.get('vs_plain')) for r in cmp.rows]
 
 def test_two_processes_give_the_serial_comparison_run_for_run(serial, tmp_path):
     assert {'baseline:epochs=1', 'baseline:epochs=3'} <= {r['method'] for r in serial.runs}

@@ -20,7 +20,7 @@ def test_a_schedule_cut_to_a_runs_work_trains_that_work_on_one_cycle(make):
     assert cut['trained'] == round(2.5 * pe / 64) * 64 and cut['epochs'] == 3   # whole batches, the third epoch cut short
     assert [h['epoch'] for h in cut['history']] == [1, 2, 3] and cut['history'][-1]['trained'] == cut['trained']   # the cut epoch validated too
     same = run_fit(make, 'baseline:same_work=blf', epochs=3, lr=1e-2, seed=1, examples=3 * pe)   # a plain run's whole work: that run again
-    assert same['final_accuracy'] == full['final_accuracy'] and same['trained'] == full['trained']
+    assert same['final_metric'] == full['final_metric'] and same['trained'] == full['trained']
 
 def test_a_cut_schedule_ends_its_one_cycle_at_its_last_batch(make):
     from loss_filters.runs import CutSchedule
@@ -47,12 +47,12 @@ def test_the_plan_trains_each_methods_alternatives_at_its_own_work(make):
         assert abs(by[plain, sd]['work'] - by['topk:keep=.3', sd]['work']) <= 64 / by[plain, sd]['plain_epoch'] / 2 + 1e-9
         assert by[rand, sd]['epochs'] == 3 and by[rand, sd]['scored'] == 0   # random choice at equal work: no scoring pass, its steps
     row = next(r for r in cmp.rows if r['method'] == 'topk:keep=.3')
-    assert row['vs_budget']['how'] == 'same work' and row['vs_budget']['bend'] == 0 and row['vs_random_work']['control'] == rand
+    assert row['at_work']['how'] == 'same work' and row['at_work']['bend'] == 0 and row['vs_random_work']['control'] == rand
     assert seconds_unread(cmp.runs) is None and 'in seconds' in repr(cmp)   # one sitting: its seconds can be read (where they fall on the plain curve)
 
 def _made_up(method, seed, final, work, secs, sitting='a'):
-    return dict(method=method, seed=seed, repeat=0, epochs=3, train_s=secs, wall_s=secs, work=work, final_accuracy=final, mean_samp_perc=.7,
-                lr_mult=1., sitting=sitting, threads=1, history=[dict(accuracy=final, work=work, train_s=secs, samp_perc=1.)])
+    return dict(method=method, seed=seed, repeat=0, epochs=3, train_s=secs, wall_s=secs, work=work, final_metric=final, mean_samp_perc=.7,
+                lr_mult=1., sitting=sitting, threads=1, history=[dict(metric=final, work=work, train_s=secs, samp_perc=1.)])
 
 def test_the_first_reading_in_seconds_reads_each_fits_own_seconds():
     "A method level with the plain curve in work but faster per unit of work: at equal seconds it is above the plain curve, and training less needs more seconds than it took"
@@ -61,11 +61,11 @@ def test_the_first_reading_in_seconds_reads_each_fits_own_seconds():
         runs += [_made_up('baseline', s, .9 + e, 3., 30.), _made_up('baseline:epochs=2', s, .85 + e, 2., 20.), _made_up('baseline:epochs=4', s, .92 + e, 4., 40.),
                  _made_up('blf', s, .875 + e, 2.5, 20.)]   # the plain curve's value at its work, in the seconds of 2 plain epochs
     row = next(r for r in judge(runs, ['baseline:epochs=2', 'baseline:epochs=4'], {}, dict(alpha=.05)).rows if r['method'] == 'blf')
-    assert row['vs_budget']['diff'] == pytest.approx(0, abs=1e-9) and row['vs_budget']['x'] == pytest.approx(1.)
-    assert row['vs_budget_s']['diff'] == pytest.approx(.025) and row['vs_budget_s']['x'] == pytest.approx(25 / 20)
+    assert row['at_work']['diff'] == pytest.approx(0, abs=1e-9) and row['at_work']['x'] == pytest.approx(1.)
+    assert row['at_work_s']['diff'] == pytest.approx(.025) and row['at_work_s']['x'] == pytest.approx(25 / 20)
     mixed = [dict(r, sitting='b') if r['method'] == 'blf' else r for r in runs]   # the method trained in another sitting: not read in seconds
     row = next(r for r in judge(mixed, ['baseline:epochs=2', 'baseline:epochs=4'], {}, dict(alpha=.05)).rows if r['method'] == 'blf')
-    assert 'vs_budget_s' not in row and 'sittings' in row['seconds_unread']
+    assert 'at_work_s' not in row and 'sittings' in row['seconds_unread']
 
 def test_seconds_are_read_only_from_one_sitting_on_one_thread_count():
     run = lambda **kw: dict(method='baseline', seed=0, sitting='a', threads=1) | kw
@@ -81,7 +81,7 @@ def test_two_sittings_of_one_command_read_alike_in_seconds():
     a, b = (load_comparison(runs / f) for f in ('compute_alternatives_runs.jsonl.gz', 'compute_alternatives_graph_runs.jsonl.gz'))
     for m in ('blf', 'blf:epochs=7'):
         ra, rb = (next(r for r in c.rows if r['method'] == m) for c in (a, b))
-        assert ra['vs_budget']['diff'] == rb['vs_budget']['diff'] and ra['vs_budget']['best_x'] == rb['vs_budget']['best_x']
-        sa, sb = ra['vs_budget_s'], rb['vs_budget_s']
+        assert ra['at_work']['diff'] == rb['at_work']['diff'] and ra['at_work']['best_x'] == rb['at_work']['best_x']
+        sa, sb = ra['at_work_s'], rb['at_work_s']
         assert sa['best_x_lo'] <= sb['best_x'] <= sa['best_x_hi'] and sb['best_x_lo'] <= sa['best_x'] <= sb['best_x_hi'], (m, sa['best_x'], sb['best_x'])
         assert sa['lo'] <= sb['diff'] <= sa['hi'] and sb['lo'] <= sa['diff'] <= sb['hi']

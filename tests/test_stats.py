@@ -68,9 +68,9 @@ def test_seeds_needed_is_the_first_count_with_the_power():
 
 # ------------------------------------------------------------------ the verdict lines built on them
 def _run(m, seed, accs, work_per_check=1.):
-    hist = [dict(train_s=10. * (i + 1), accuracy=a, work=work_per_check * (i + 1)) for i, a in enumerate(accs)]
+    hist = [dict(train_s=10. * (i + 1), metric=a, work=work_per_check * (i + 1)) for i, a in enumerate(accs)]
     return dict(method=m, seed=seed, repeat=0, epochs=len(accs), train_s=hist[-1]['train_s'], wall_s=hist[-1]['train_s'],
-                final_accuracy=accs[-1], mean_samp_perc=1. if m.startswith('baseline') else .7, work=hist[-1]['work'], lr_mult=1., history=hist)
+                final_metric=accs[-1], mean_samp_perc=1. if m.startswith('baseline') else .7, work=hist[-1]['work'], lr_mult=1., history=hist)
 
 def _judged(ratios, alpha=.05, final=(.8, .85, .9), finals=None, longer=.95):
     "A method whose work is the full plain schedule's over `ratios`, seed by seed, ending at `final` (or at `finals[seed]`); plain schedules of 2, 3 and 4 epochs ending at .85, .9 and `longer` (None: no 4-epoch schedule; .95: a straight line)"
@@ -94,11 +94,11 @@ def test_payoff_line_states_level_and_seeds():
 def test_a_gain_the_bend_could_explain_gives_no_verdict():
     "The plain curve at 2 and 3 epochs alone: nothing bounds how far it bends between them, so a gain over their line is no verdict; a 4-epoch schedule bounds it"
     r = _judged([1.3, 1.35, 1.28, 1.32, 1.31], longer=None)
-    v = r['vs_budget']
+    v = r['at_work']
     assert v['lo'] > 0 and v['bend'] is None and v['verdict'] == 'within the bend' and payoff_word(r) == 'no verdict (bend)'
     assert 'nothing bounds how far the curve bends above that line: add one (`budgets`)' in payoff_line(r, True)
     r = _judged([1.3, 1.35, 1.28, 1.32, 1.31], final=(.8, .85, .875), longer=.92)   # +1.0 points over the line, but the curve could lie 2.1 above it
-    v = r['vs_budget']
+    v = r['at_work']
     assert v['bend'] == pytest.approx(.9 - .02 * (3 - v['work']) - (.85 + .05 * (v['work'] - 2)))   # the 3-4 chord carried back, less the line
     assert 0 < v['lo'] <= v['bend'] and payoff_word(r) == 'no verdict (bend)'
     assert 'could lie up to +2.' in method_note(r) and 'add a plain schedule near its work' in method_note(r)
@@ -112,15 +112,15 @@ def test_a_method_random_choice_at_its_share_matches_does_not_pay():
     rows, target = summarise(runs, target=.9)
     add_verdicts(rows, ['baseline:epochs=2', 'baseline:epochs=4'], {'stale': ['random:keep=.5']}, 5, target, runs=runs)
     r = next(r for r in rows if r['method'] == 'stale')
-    assert r['vs_budget']['verdict'] == 'beats' and r['vs_random']['verdict'] != 'beats' and payoff_word(r) == 'no gain shown'
+    assert r['at_work']['verdict'] == 'beats' and r['vs_random']['verdict'] != 'beats' and payoff_word(r) == 'no gain shown'
     assert 'random choice at its share (the plain model at a smaller batch)' in payoff_line(r) and 'above training less' in method_note(r)
-    assert r['vs_budget']['best_by'] == 'random:keep=.5' and r['vs_budget']['best_x'] == pytest.approx(1., abs=.02)   # the better alternative: level with it
+    assert r['at_work']['best_by'] == 'random:keep=.5' and r['at_work']['best_x'] == pytest.approx(1., abs=.02)   # the better alternative: level with it
     del r['vs_random']   # no random control run: the other alternative is missing, so no verdict, not "pays"
     assert payoff_word(r) == 'no verdict (no random control)' and 'random choice at its share, the other simple alternative, was not run' in payoff_line(r)
 
 def test_too_few_seeds_say_how_many_would():
     r = _judged([1.2] * 3, finals=[.885, .871, .881])   # the curve at 2.5 plain epochs is .875: +0.4 points, spread 0.7
-    v = r['vs_budget']
+    v = r['at_work']
     k = seeds_needed(v['diff'], v['sd'])
     line = payoff_line(r, True)
     assert v['verdict'] == 'no difference shown' and k > 3
@@ -140,13 +140,13 @@ def test_equal_work_verdict_does_not_use_the_target():
     ratios = [1.1, 1.45, 1.2]
     a, b = _judged(ratios), _judged(ratios, final=(.8, .85, .9))
     expected = statistics.fmean(.9 - (.85 + .05 * (3 / x - 2)) for x in ratios)
-    assert a['vs_budget']['diff'] == pytest.approx(expected) and a['vs_budget']['verdict'] == 'beats'
+    assert a['at_work']['diff'] == pytest.approx(expected) and a['at_work']['verdict'] == 'beats'
     runs = []
     for s, x in enumerate(ratios):
         runs += [_run('baseline', s, [.7, .8, .9]), _run('baseline:epochs=2', s, [.75, .85]), _run('stale', s, [.8, .85, .9], 1 / x)]
     rows, target = summarise(runs, target=.95)   # a target nothing reaches
     add_verdicts(rows, ['baseline:epochs=2'], {}, 3, target, runs=runs)
-    assert next(r for r in rows if r['method'] == 'stale')['vs_budget']['diff'] == pytest.approx(expected)
+    assert next(r for r in rows if r['method'] == 'stale')['at_work']['diff'] == pytest.approx(expected)
 
 def test_holds_is_a_non_inferiority_test():
     "No worse than the plain model by more than the margin, shown at the level: equal accuracy in every seed holds, a spread one does not"

@@ -21,7 +21,7 @@ def fit(args, epochs, seed):
     t = time.perf_counter()
     r = run_method(dls, 'baseline', epochs=epochs, lr=args.lr, seed=seed, model=args.model, show_progress=False)
     return dict(data=name, model=args.model, n_train=len(dls.train_ds), bs=args.bs, augment=args.augment, lr=args.lr,
-                epochs=epochs, seed=seed, final_accuracy=r['final_accuracy'], wall_s=time.perf_counter() - t,
+                epochs=epochs, seed=seed, final_metric=r['final_metric'], wall_s=time.perf_counter() - t,
                 threads=torch.get_num_threads())
 
 
@@ -32,7 +32,7 @@ def plateau(rows, gain=.0015, more=1.5):
     "Per setting: mean final accuracy per length, and the plateau: the shortest length after which no schedule gains `gain`"
     out = {}
     for k, rs in group(rows).items():
-        acc = {e: statistics.fmean(r['final_accuracy'] for r in v) for e, v in sorted(rs.items())}
+        acc = {e: statistics.fmean(r['final_metric'] for r in v) for e, v in sorted(rs.items())}
         es = sorted(acc)   # flat from the shortest length that no longer one beats by `gain`, with one at least `more`x as long
         flat = next((e for e in es if es[-1] >= more * e - 1e-9 and max(acc[f] for f in es if f >= e) - acc[e] < gain), None)
         out[k] = (acc, flat)
@@ -49,10 +49,11 @@ def plot(files, png):
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     read = lambda f: gzip.decompress(Path(f).read_bytes()).decode() if str(f).endswith('.gz') else Path(f).read_text()   # the saved lines are gzipped
-    rows = [json.loads(l) for f in files for l in read(f).splitlines() if l.strip()]
+    from loss_filters.runs import upgrade_run   # lines saved under the earlier names (`final_accuracy`) read as today's
+    rows = [upgrade_run(json.loads(l)) for f in files for l in read(f).splitlines() if l.strip()]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    mean_range = lambda rs: (statistics.fmean(r['final_accuracy'] for r in rs),
-                             (max(r['final_accuracy'] for r in rs) - min(r['final_accuracy'] for r in rs)) / 2)
+    mean_range = lambda rs: (statistics.fmean(r['final_metric'] for r in rs),
+                             (max(r['final_metric'] for r in rs) - min(r['final_metric'] for r in rs)) / 2)
     for k, rs in sorted(group(rows).items(), key=lambda kv: kv[0][5]):
         if len(rs) < 2: continue   # a single length is a point of the learning-rate sweep
         es = sorted(rs)
