@@ -143,7 +143,7 @@ class Design:
                  seed:int=0, # the first seed
                  repeats:int=1, # runs of every method and seed
                  budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules: below 1 training less, above 1 longer (so the plain curve reaches past the full schedule)
-                 controls:bool=True, # also train less (`budgets`), choose at random at each method's share and at its work, and the rate controls
+                 controls:bool=True, # also train less (`budgets`), choose at random at each method's share, at its work and past it (on the longer schedules), and the rate controls
                  reference_seeds:int=0): # plain full-schedule runs on this many further seeds, not judged: the target at the knee of their curve (`knee_target`)
         _check_design(epochs, seeds, seed, repeats, budgets, reference_seeds)
         store_attr()
