@@ -15,9 +15,10 @@ from .sampler import SamplerPruningCallback, RandomPruningCallback
 from .runs import run_fit, StopAfter, judged_method, parse_method, work_slug, RetiredMethod, control_specs, is_plain_schedule, BLIND
 
 # %% auto #0
-__all__ = ['Fit', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls', 'same_work_of', 'rate_control',
-           'self_scored_control', 'controls_of', 'found_controls', 'Design', 'InlineExecutor', 'cores_each',
-           'fit_executor', 'executor_workers', 'default_threads', 'check_executor', 'train_fit', 'run_plan']
+__all__ = ['Fit', 'budget_shares', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls', 'same_work_of',
+           'rate_control', 'self_scored_control', 'controls_of', 'found_controls', 'Design', 'InlineExecutor',
+           'cores_each', 'fit_executor', 'executor_workers', 'default_threads', 'check_executor', 'train_fit',
+           'run_plan']
 
 # %% ../nbs/05b_plan.ipynb #3b303b18
 class Fit(NamedTuple):
@@ -27,15 +28,19 @@ class Fit(NamedTuple):
     def key(self) -> tuple: return (self.spec, self.seed, self.repeat)   # how saved runs are found again
 
 # %% ../nbs/05b_plan.ipynb #e689155f
+def budget_shares(budgets:str|list) -> list:
+    "The shares `budgets` holds, as the user spelled them (strings): `'.6 .8'` or `[.6, .8]` -> `['.6', '.8']` / `['0.6', '0.8']`"
+    return budgets.split() if isinstance(budgets, str) else [str(b) for b in budgets]
+
 def budget_specs(epochs:int, fracs:str|list='.5 .6 .7 .8 .9') -> list:
     "The equal-compute control: the plain baseline on other one-cycle schedules, at these shares of `epochs` (above 1: longer, so the curve reaches past the full schedule)"
-    fracs = fracs.split() if isinstance(fracs, str) else list(fracs)
+    fracs = budget_shares(fracs)
     ks = sorted({max(1, round(float(f) * epochs)) for f in fracs})
     return [f'baseline:epochs={k}' for k in ks if k != epochs]
 
 def plain_schedules(epochs:int, budgets:str|list) -> list:
     "`budget_specs`, with a warning where shares give the same schedule or the full one"
-    shares = budgets.split() if isinstance(budgets, str) else [str(b) for b in budgets]
+    shares = budget_shares(budgets)
     ks = [max(1, round(float(b) * epochs)) for b in shares]
     lost = [f"{b} gives {k} epochs" + (' (the full schedule)' if k == epochs else ' (as another share)') for i, (b, k) in enumerate(zip(shares, ks))
             if k == epochs or k in ks[:i]]
@@ -126,7 +131,7 @@ def _check_design(epochs, seeds, seed, repeats, budgets, reference_seeds):
     "Raise, naming the argument and what it takes, before anything is planned"
     for k, v in dict(epochs=epochs, seeds=seeds, repeats=repeats).items(): check_int(k, v, lo=1)
     check_int('seed', seed)
-    for f in (budgets.split() if isinstance(budgets, str) else budgets):
+    for f in budget_shares(budgets):
         try: v = float(f)
         except (TypeError, ValueError): v = None
         if v is None or not 0 < v <= 4 or v == 1:
@@ -150,7 +155,7 @@ class Design:
         self.specs = list(specs)
         self.judged, self.reference = range(seed, seed + seeds), range(seed + seeds, seed + seeds + reference_seeds)
         self.plain = plain_schedules(epochs, budgets) if controls else []   # the other plain schedules, some perhaps among the methods
-        self.longer = tuple(b for b in map(float, budgets.split() if isinstance(budgets, str) else budgets) if b > 1)   # random choice past each method's work too
+        self.longer = tuple(b for b in map(float, budget_shares(budgets)) if b > 1)   # random choice past each method's work too
 
     def settings(self) -> dict:
         "The design as plain data, as a comparison saves it (`budgets` as the user spelled them)"

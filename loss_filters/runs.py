@@ -52,6 +52,8 @@ def work_slug(spec:str) -> str:
     "`spec` spelled to sit inside another spec's settings: `'topk:proxy=.25,keep=.3'` -> `'topk/proxy=.25+keep=.3'`"
     return str(spec).replace(':', '/').replace(',', '+')
 
+def _unslug(slug:str) -> str|None: return slug.replace('/', ':').replace('+', ',') or None   # `work_slug` read back; None for none
+
 def _value(s:str):
     if s in ('True', 'False'): return s == 'True'
     for f in (int, float):
@@ -72,9 +74,9 @@ class Method(NamedTuple):
     def proxy(self) -> float|None: return self.run.get('proxy')   # the proxy's width share, when a proxy scores
     def epochs(self, default:int) -> int: return self.run.get('epochs', default)
     @property
-    def at_work_of(self) -> str|None: return self.run.get('same_work', '').replace('/', ':').replace('+', ',') or None   # a control at that method's work: the method (`work_slug` read back)
+    def at_work_of(self) -> str|None: return _unslug(self.run.get('same_work', ''))   # a control at that method's work: the method
     @property
-    def reach_of(self) -> str|None: return self.run.get('reach', '').replace('/', ':').replace('+', ',') or None   # random choice run past that method's work: the method
+    def reach_of(self) -> str|None: return _unslug(self.run.get('reach', ''))   # random choice run past that method's work: the method
     def without(self, *keys) -> str:
         "The spec with the settings `keys` left out, the others as written: `'blf:proxy=.25,min_loss_perc=.95'` without `proxy` is `'blf:min_loss_perc=.95'`"
         args = [a for a in self.spec.partition(':')[2].split(',') if a.strip() and a.split('=', 1)[0].strip() not in keys]
