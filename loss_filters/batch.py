@@ -23,7 +23,7 @@ from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loade
 from .proxy import ProxyScorer, check_score_model
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'param_groups', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool',
+__all__ = ['PRECISIONS', 'cpu_lacks_bf16', 'param_groups', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool',
            'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'TopLossCallback', 'RandomBatchCallback',
            'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain',
            'frozen_norm_stats', 'downsample', 'take']
@@ -43,6 +43,11 @@ def _check_kwargs(cls, kwargs:dict):
 
 # %% ../nbs/01_batch.ipynb #7c50799a
 PRECISIONS = dict(full=None, bf16=torch.bfloat16, fp16=torch.float16)   # `score_precision` -> autocast dtype
+
+def cpu_lacks_bf16() -> bool:
+    "Whether this CPU has neither AVX512-BF16 nor AMX, so a bf16 autocast pass runs slower there than full precision; False where torch cannot tell"
+    checks = [getattr(torch.cpu, n, None) for n in ('_is_avx512_bf16_supported', '_is_amx_tile_supported')]
+    return None not in checks and not any(f() for f in checks)
 
 def _like(opt:torch.optim.Optimizer, # a built torch optimizer
           params:list) -> torch.optim.Optimizer: # the parameters of the new one
@@ -136,6 +141,9 @@ class LossFilterCallback(LossFilterBase):
     def before_fit(self):
         super().before_fit()
         self._out_checked = False   # the proxy's output shape against the model's, at the fit's first step
+        if self.run and self.score_precision == 'bf16' and next(self.learn.model.parameters()).device.type == 'cpu' and cpu_lacks_bf16():
+            warnings.warn(f"{type(self).__name__}: `score_precision='bf16'` on a CPU without bf16 units (AVX512-BF16 or AMX): the scoring pass "
+                          "runs several times slower than in full precision here; keep `score_precision='full'` on this machine", stacklevel=2)
         if self.run and self.score_model is not None: self._proxy_fit()
         why = _pool_refusal(self.dls.train) if self.run and self.fill_batch else None
         if why: raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "

@@ -13,7 +13,8 @@ from .verdicts import payoff_test, payoff_word
 __all__ = ['mult_text', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text', 'seeds_text', 'equal_work_text',
            'bend_text', 'target_text', 'no_verdict_text', 'payoff_line', 'target_cell', 'method_note', 'verdict_lines',
            'ci_level', 'table_columns', 'format_table', 'metric_label', 'short_label', 'text_table', 'estimate_text',
-           'judged_rows', 'seconds_cell', 'summary_text', 'brief_table', 'payoff_lines', 'full_text', 'summary_frame']
+           'judged_rows', 'seconds_cell', 'work_unit', 'summary_text', 'brief_table', 'payoff_lines', 'full_text',
+           'summary_frame']
 
 # %% ../nbs/06a_report.ipynb #3f42f049
 def mult_text(x:float|None, censored:str|None=None) -> str:
@@ -288,6 +289,12 @@ def _needs(v:dict|None) -> str:
     return mult_text(v['best_x'], v['best_x_censored']) + (
         f" ({mult_text(v['best_x_lo'], v['best_x_lo_censored'])} to {mult_text(v['best_x_hi'], v['best_x_hi_censored'])})" if v.get('best_x_lo') is not None else '')
 
+_WORK_UNITS = dict(flops='FLOPs', time='measured step times', recounted='the scoring costs given to `load_comparison`')
+
+def work_unit(settings:dict) -> str:
+    "What a comparison's work is counted in, as its printout says it: from its settings; a runs file saved without them, as each run recorded it"
+    return _WORK_UNITS.get(settings.get('work'), "each run's own count, as saved")
+
 def summary_text(cmp) -> str:
     "What `print(cmp)` shows: a table of the verdicts, what its columns mean, then one line per method on what the table leaves out"
     lvl, has, unit, a = ci_level(cmp.rows), bool(cmp.budgets), cmp.unit, cmp.alpha
@@ -297,7 +304,7 @@ def summary_text(cmp) -> str:
                          seconds_cell(r, has) or 'not read'] for r in rows])
     better = 'lower' if cmp.sign < 0 else 'higher'
     head = (f"{metric_label(cmp.metric)} ({better} is better), {seeds_text(cmp.settings['seeds'])}, tests at {pct_text(a)}, work counted in "
-            f"{'FLOPs' if cmp.settings.get('work') == 'flops' else 'measured step times'}")
+            f"{work_unit(cmp.settings)}")
     unread = next((r['seconds_unread'] for r in rows if r.get('seconds_unread')), None)
     legend = [f"verdict: pays where the method beats, seed by seed (one-sided tests), both the plain model trained for its work (at equal "
               f"work: in {'points' if unit == 'points' else unit}, + better, {lvl}% interval) and random choice, a smaller batch; an alternative "

@@ -189,6 +189,19 @@ def test_score_precision_autocasts_the_scoring_pass_only(digits_dls, precision, 
     assert all(c[1:] == (False, None) for c in training)                    # the step itself keeps full precision
     assert col(learn, 'samp_perc')[0] < 1
 
+@pytest.mark.parametrize('lacks', [True, False])
+def test_bf16_scoring_warns_on_a_cpu_without_bf16_units(digits_dls, monkeypatch, lacks):
+    import warnings, loss_filters.batch as lb
+    assert isinstance(lb.cpu_lacks_bf16(), bool)
+    monkeypatch.setattr(lb, 'cpu_lacks_bf16', lambda: lacks)
+    learn = Learner(digits_dls, PrecisionSpy(), loss_func=CrossEntropyLossFlat())
+    learn.add_cb(BatchLossFilterCallback(skip_epochs=0, score_precision='bf16'))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    said = [str(x.message) for x in w if 'without bf16 units' in str(x.message)]
+    assert len(said) == int(lacks) and all("keep `score_precision='full'`" in m for m in said)
+
 @pytest.mark.parametrize('make', [lambda: BatchLossFilterCallback(score_precision='int8'),
                                   lambda: SelectiveBackpropCallback(score_precision='half'),
                                   lambda: Learner.selective_backprop(None, score_precision='fp64')])
