@@ -111,7 +111,7 @@ class LossFilterCallback(LossFilterBase):
                  skip_epochs:int=0, # leave this many first epochs of each fit unfiltered (`fine_tune` runs two fits)
                  fill_batch:bool=False, # pool kept examples and train only on full batches
                  score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
-                 score_precision:str='full', # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+                 score_precision:str='full', # the scoring pass's precision, the model's or a proxy's: 'full', or autocast to 'bf16' or 'fp16'
                  score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model (`ProxyScorer`), trained online by the filter
                  train_every:int=1): # with `score_model`: the proxy takes a step every `train_every` batches, on the rows the model trains on (1: every batch)
         check_schedule(start, end, interrupt)
@@ -255,7 +255,7 @@ class LossFilterCallback(LossFilterBase):
         learn = self.learn
         if self.proxy is not None:   # no graph: the proxy learns the rows the model trains on by a forward of its own on them, half the backward
             self._px_learns = self.proxy.due and not self.fill_batch   # read before `score` counts the batch
-            losses = self.proxy.score(learn.xb, learn.yb, graph=False)
+            losses = self.proxy.score(learn.xb, learn.yb, graph=False, autocast=self._autocast())   # in the filter's `score_precision` too
             return losses, losses
         losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
                                         after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
@@ -390,7 +390,7 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  scale_factor:float=1., # downsampling of image inputs for the scoring pass, in (0, 1]
                  fill_batch:bool=False, # pool kept examples and train only on full batches, as in the paper
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
-                 score_precision:str='full', # the scoring pass's precision: 'full', or autocast to 'bf16' or 'fp16'
+                 score_precision:str='full', # the scoring pass's precision, the model's or a proxy's: 'full', or autocast to 'bf16' or 'fp16'
                  score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model, trained online
                  train_every:int=1): # with `score_model`: a step of the proxy every `train_every` batches
         check_range('keep', keep, 0, 1, lo_open=True)

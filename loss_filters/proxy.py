@@ -5,7 +5,7 @@
 # %% ../nbs/00b_proxy.ipynb #ac2e92dd
 from __future__ import annotations
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn, Tensor
 from .core import per_sample_loss, plain, downsample, frozen_norm_stats, check_int, check_range, check_per_sample
@@ -139,12 +139,13 @@ class ProxyScorer:
             raise ValueError(f"`score_model` gives an output of shape {self.out_shape} per example where the model gives {want}: the loss "
                              "took it, but the proxy would rank the examples on another task; give it the model's outputs (as many classes)")
 
-    def score(self, xb:tuple, yb:tuple, graph:bool|None=None) -> Tensor:
+    def score(self, xb:tuple, yb:tuple, graph:bool|None=None,
+              autocast=None) -> Tensor: # a context manager for a pass without a graph (`torch.autocast`: the filter's `score_precision`); None: full precision
         "Per-example losses of the batch (float, detached); with `graph` (default: on a batch the proxy trains on, `due`) the graph is kept for a step"
         train, self._graph = self.due if graph is None else graph, None
         self.n_batches += 1
         self.model.train()
-        with torch.set_grad_enabled(train), self.own_rng(): losses = self._losses(xb, yb)
+        with torch.set_grad_enabled(train), self.own_rng(), (autocast if autocast is not None and not train else nullcontext()): losses = self._losses(xb, yb)
         if train: self._graph, self.n_trained = losses, self.n_trained + losses.shape[0]
         else: self.n_scored += losses.shape[0]
         return losses.detach().float()

@@ -189,6 +189,18 @@ def test_score_precision_autocasts_the_scoring_pass_only(digits_dls, precision, 
     assert all(c[1:] == (False, None) for c in training)                    # the step itself keeps full precision
     assert col(learn, 'samp_perc')[0] < 1
 
+@pytest.mark.parametrize('precision,dtype', [('full', None), ('bf16', torch.bfloat16)])
+def test_score_precision_autocasts_a_proxys_scoring_pass_only(digits_dls, precision, dtype):
+    set_seed(0)
+    proxy = PrecisionSpy()
+    learn = Learner(digits_dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), loss_func=CrossEntropyLossFlat())
+    learn.add_cb(BatchLossFilterCallback(skip_epochs=0, score_precision=precision, score_model=proxy))
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    scoring, learning = [c for c in proxy.calls[1:] if not c[0]], [c for c in proxy.calls if c[0]]   # the first call: the proxy's shape check
+    assert proxy.calls[0] == (False, False, None) and len(scoring) == len(digits_dls.train) and learning
+    assert all(c[1:] == ((dtype is not None), dtype) for c in scoring)      # the proxy scores in the filter's precision
+    assert all(c[1:] == (False, None) for c in learning)                    # and learns in full precision
+
 @pytest.mark.parametrize('lacks', [True, False])
 def test_bf16_scoring_warns_on_a_cpu_without_bf16_units(digits_dls, monkeypatch, lacks):
     import warnings, loss_filters.batch as lb
