@@ -53,9 +53,11 @@ pytest: install
 nbtest: install
 	LF_SMOKE=1 $(ONE_THREAD) $(BIN)/nbdev_test --n_workers 2
 
-# The library does not pin fastai: run the pytest suite against the newest release too.
+# The library does not pin fastai: run the pytest suite against the newest release too. Both environments get the same torch
+# release; its ~5 GB (CUDA libraries included) are hard-linked from the first one (tools/share_torch.py), not installed twice.
 $(VENV_LATEST)/.installed: setup.py settings.ini
 	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
+	-test -x $(BIN)/python && $(BIN)/python tools/share_torch.py $(BIN)/python $(VENV_LATEST)/bin/python
 	$(VENV_LATEST)/bin/python $(PIP_INSTALL) -U -e '.[distributed,grad]' fastai pytest pytest-xdist hypothesis scikit-learn matplotlib cockpit-for-pytorch backpack-for-pytorch 'setuptools<81'
 	touch $@
 

@@ -124,3 +124,51 @@ def test_cifar_dry_run_refuses_bad_sizes(capsys):
     for opt, bad, msg in (('--batches', '0', 'at least 1'), ('--warmup', '-1', 'at least 0'), ('--settings', 'fast', 'invalid choice')):
         with pytest.raises(SystemExit): mod.parse_args([opt, bad])
         assert msg in capsys.readouterr().err
+
+def test_share_torch_follows_cuda_requirements_only():
+    mod = _tool('share_torch')
+    assert mod.req_name('nvidia-cublas==13.1.1.3; platform_system == "Linux"') == 'nvidia-cublas'
+    assert mod.req_name('Cuda_Bindings>=13') == 'cuda-bindings'
+    dists = {'torch': dict(requires=['sympy>=1.13', 'nvidia-cublas==13; platform_system == "Linux"', 'triton==3.8']),
+             'nvidia-cublas': dict(requires=['nvidia-nvjitlink']), 'nvidia-nvjitlink': dict(requires=[]),
+             'triton': dict(requires=[]), 'sympy': dict(requires=['mpmath']), 'mpmath': dict(requires=[]),
+             'nvidia-unused': dict(requires=[])}
+    assert mod.to_share(dists) == ['nvidia-cublas', 'nvidia-nvjitlink', 'torch', 'triton']   # not sympy, nor what nothing needs
+    assert mod.to_share(dists, roots=('torchvision',)) == []                                  # a root not installed
+
+def test_share_torch_links_files_inside_site_packages_metadata_last(tmp_path, monkeypatch):
+    mod = _tool('share_torch')
+    src, dst = tmp_path/'src'/'site', tmp_path/'dst'/'site'
+    for f in ['pkg/a.py', 'pkg/sub/b.so', 'pkg-1.0.dist-info/RECORD', 'pkg-1.0.dist-info/METADATA']:
+        (src/f).parent.mkdir(parents=True, exist_ok=True); (src/f).write_text(f)
+    (tmp_path/'src'/'bin').mkdir(); (tmp_path/'src'/'bin'/'tool').write_text('#!/src/python')
+    (dst/'pkg').mkdir(parents=True); (dst/'pkg'/'a.py').write_text('mine')
+    order, link = [], os.link
+    monkeypatch.setattr(mod.os, 'link', lambda s, d: (order.append(Path(d).relative_to(dst).as_posix()), link(s, d)))
+    files = ['pkg-1.0.dist-info/METADATA', 'pkg/a.py', '../bin/tool', 'pkg-1.0.dist-info/RECORD', 'pkg/sub/b.so', 'pkg/gone.py']
+    assert mod.link_files(src, dst, files) == 3
+    assert order == ['pkg/sub/b.so', 'pkg-1.0.dist-info/METADATA', 'pkg-1.0.dist-info/RECORD']   # metadata after the files
+    assert (dst/'pkg'/'a.py').read_text() == 'mine'                                               # an existing file is kept
+    assert os.path.samefile(src/'pkg'/'sub'/'b.so', dst/'pkg'/'sub'/'b.so')                      # a link, not a copy
+    assert not (tmp_path/'dst'/'bin').exists()                                                    # nothing outside site-packages
+
+@pytest.fixture
+def venv_beside():
+    "A folder beside this environment (`.venv-*`, ignored by git), where hard links into it can be made; removed after"
+    import shutil, tempfile
+    d = Path(tempfile.mkdtemp(prefix='.venv-share-test-', dir=Path(sys.prefix).parent))
+    yield d
+    shutil.rmtree(d)
+
+def test_share_torch_into_a_new_environment(venv_beside):
+    "A distribution linked into a fresh venv is installed there in pip's eyes, as the same files"
+    mod = _tool('share_torch')
+    subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv_beside/'env')], check=True)
+    py = str(venv_beside/'env'/'bin'/'python')
+    assert mod.share(sys.executable, py, roots=('torchvision',)) == ['torchvision']
+    assert mod.share(sys.executable, py, roots=('torchvision',)) == []                # already there: nothing to do
+    info = mod.env_info(py)
+    assert 'torchvision' in info['dists'] and 'torch' not in info['dists']
+    import torchvision
+    init = Path(info['site'])/'torchvision'/'__init__.py'
+    assert os.path.samefile(init, torchvision.__file__)
