@@ -141,7 +141,8 @@ class LossFilterCallback(LossFilterBase):
     def before_fit(self):
         super().before_fit()
         self._out_checked = False   # the proxy's output shape against the model's, at the fit's first step
-        if self.run and self.score_precision == 'bf16' and next(self.learn.model.parameters()).device.type == 'cpu' and cpu_lacks_bf16():
+        if (self.run and self.score_precision == 'bf16' and next(self.learn.model.parameters()).device.type == 'cpu'
+            and not any(isinstance(cb, MixedPrecision) for cb in self.learn.cbs) and cpu_lacks_bf16()):   # under to_fp16(), its precision rules
             warnings.warn(f"{type(self).__name__}: `score_precision='bf16'` on a CPU without bf16 units (AVX512-BF16 or AMX): the scoring pass "
                           "runs several times slower than in full precision here; keep `score_precision='full'` on this machine", stacklevel=2)
         if self.run and self.score_model is not None: self._proxy_fit()

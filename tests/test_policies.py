@@ -201,18 +201,20 @@ def test_score_precision_autocasts_a_proxys_scoring_pass_only(digits_dls, precis
     assert all(c[1:] == ((dtype is not None), dtype) for c in scoring)      # the proxy scores in the filter's precision
     assert all(c[1:] == (False, None) for c in learning)                    # and learns in full precision
 
-@pytest.mark.parametrize('lacks', [True, False])
-def test_bf16_scoring_warns_on_a_cpu_without_bf16_units(digits_dls, monkeypatch, lacks):
+@pytest.mark.parametrize('lacks,mixed', [(True, False), (False, False), (True, True)])
+def test_bf16_scoring_warns_on_a_cpu_without_bf16_units(digits_dls, monkeypatch, lacks, mixed):
+    "Not under `to_fp16()`, whose autocast sets the scoring pass's precision in place of `score_precision`"
     import warnings, loss_filters.batch as lb
     assert isinstance(lb.cpu_lacks_bf16(), bool)
     monkeypatch.setattr(lb, 'cpu_lacks_bf16', lambda: lacks)
     learn = Learner(digits_dls, PrecisionSpy(), loss_func=CrossEntropyLossFlat())
+    if mixed: learn.to_fp16()
     learn.add_cb(BatchLossFilterCallback(skip_epochs=0, score_precision='bf16'))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
     said = [str(x.message) for x in w if 'without bf16 units' in str(x.message)]
-    assert len(said) == int(lacks) and all("keep `score_precision='full'`" in m for m in said)
+    assert len(said) == int(lacks and not mixed) and all("keep `score_precision='full'`" in m for m in said)
 
 @pytest.mark.parametrize('make', [lambda: BatchLossFilterCallback(score_precision='int8'),
                                   lambda: SelectiveBackpropCallback(score_precision='half'),
