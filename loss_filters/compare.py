@@ -276,7 +276,7 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     warmup=warmup and not done)
     ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(executor), show_progress and not show_fits, on_run)
     results = run_plan(design.fits(), train, executor, done, design.then,
-                       on_submit=ledger.submitted, on_result=ledger.finished,
+                       on_submit=ledger.submitted, on_result=ledger.finished, twin=design.twin,
                        fit_kwargs=partial(_diagnostics_of, folder=folder if diagnostics else None, seed=seed))
     ledger.close()
     runs, refs, plain, control_of = design.ordered(results)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05b_plan.ipynb #9ebca8e9
 from __future__ import annotations
-import multiprocessing, os, pickle, statistics, time, warnings
+import copy, multiprocessing, os, pickle, statistics, time, warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import NamedTuple
 import torch
@@ -182,6 +182,10 @@ class Design:
             return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.cls is None and 'same_work' in m.run else None)
         return [control(c, sd, rep) for sd in self.judged for rep in range(self.repeats) for c in controls_of(fit.spec, [results[k] for k in keys], self.longer)]
 
+    def twin(self, fit:Fit) -> tuple|None:
+        "For `run_plan`: what a control trains, whichever method asked for it (its spec without the `same_work`/`reach` tags, its seed, repeat and examples), so that two methods that kept the same share share its fits; None for the methods and the reference runs"
+        return (judged_method(fit.spec).without('same_work', 'reach'), fit.seed, fit.repeat, fit.examples) if fit.kind == 'control' else None
+
     def ordered(self, results:dict) -> tuple:
         "`(runs, reference runs, plain schedules, each method's controls)`, the runs in one order wherever they trained: seed by seed the methods, then seed by seed the plain schedules and the controls"
         at = lambda names, seeds: [results[(s, sd, rep)] for sd in seeds for rep in range(self.repeats) for s in names]
@@ -191,7 +195,7 @@ class Design:
         return methods + at(others, self.judged), at(['baseline'], self.reference), self.others, control_of
 
     def count(self) -> tuple:
-        "`(fits, full schedules)` the comparison trains, before its rate and self-scored controls: the methods and plain schedules on every seed, each filter's three controls (random choice at its share, the plain model and random choice at its work, each counted at most the method's schedule) and random choice on each longer schedule (at most that schedule), and the reference runs"
+        "`(fits, full schedules)` the comparison trains, before its rate and self-scored controls: the methods and plain schedules on every seed, each filter's three controls (random choice at its share, the plain model and random choice at its work, each counted at most the method's schedule) and random choice on each longer schedule (at most that schedule), and the reference runs; a control two methods share (`twin`) counted for each"
         ms = [parse_method(s) for s in self.specs]
         share = lambda m: m.epochs(self.epochs) / self.epochs
         filters = [m for m in ms if _judged_filter(m)] if self.controls else []
@@ -282,20 +286,27 @@ def run_plan(plan:list, # the `Fit`s known now
              on_submit=None, # `on_submit(fit)` before a fit is handed to the executor
              fit_kwargs=None, # `fit_kwargs(fit)` -> more keyword arguments of `train` for this fit
              on_result=None, # `on_result(fit, run) -> run` in this process as each trained run comes back (in the order they finish): what to keep of it
+             twin=None, # `twin(fit)` -> a key or None: the fits of one key train alike, so the first trains and each other one takes a copy of its run, its `method` set to its own spec
              poll:float=.05 # seconds between looks at running fits
             ) -> dict:
     "Train every fit of `plan` (and those `then` adds) not in `done` on `executor`; every run by `Fit.key`, the saved ones included"
     ex, results = executor or InlineExecutor(), dict(done or {})
     queue, running, seen = list(plan), {}, set()
+    trained, waiting = {}, {}   # by `twin` key: the run its first fit returned (None while it trains), the fits waiting for it
     def follow(f):
         for g in (then(f, results) if then is not None else []):
             if g.key not in seen: queue.append(g)
+    def keep(f, run):
+        results[f.key] = run if on_result is None else on_result(f, run)
+        follow(f)
+    def copy_to(f, run): keep(f, copy.deepcopy(run) | dict(method=f.spec))
     def collect() -> bool:   # the finished fits' runs, kept here in the order they finish; whether there were any
         finished = [f for f, fut in running.items() if fut.done()]
         for f in finished:
-            run = running.pop(f).result()
-            results[f.key] = run if on_result is None else on_result(f, run)
-            follow(f)
+            run, k = running.pop(f).result(), twin(f) if twin is not None else None
+            if k is not None: trained[k] = run
+            keep(f, run)
+            for g in waiting.pop(k, []): copy_to(g, run)
         return bool(finished)
     try:
         while queue or running:
@@ -304,6 +315,12 @@ def run_plan(plan:list, # the `Fit`s known now
                 if f.key in seen: continue
                 seen.add(f.key)
                 if f.key in results: follow(f); continue
+                k = twin(f) if twin is not None else None
+                if k in trained:   # its twin trained here, or trains now
+                    if trained[k] is None: waiting.setdefault(k, []).append(f)
+                    else: copy_to(f, trained[k])
+                    continue
+                if k is not None: trained[k] = None
                 if on_submit is not None: on_submit(f)
                 running[f] = ex.submit(train, f.spec, f.seed, **(fit_kwargs(f) if fit_kwargs is not None else {}))
                 collect()   # inline, the run is there already: kept before the next fit starts

@@ -85,3 +85,20 @@ def test_two_sittings_of_one_command_read_alike_in_seconds():
         sa, sb = ra['at_work_s'], rb['at_work_s']
         assert sa['best_x_lo'] <= sb['best_x'] <= sa['best_x_hi'] and sb['best_x_lo'] <= sa['best_x'] <= sb['best_x_hi'], (m, sa['best_x'], sb['best_x'])
         assert sa['lo'] <= sb['diff'] <= sa['hi'] and sb['lo'] <= sa['diff'] <= sb['hi']
+
+def test_two_methods_of_one_work_share_the_fits_of_their_alternatives(make):
+    "The same filter spelled twice spends the same work: the plain model at that work and random choice at it and past it train once for both"
+    import re
+    handed, a, b = [], 'topk:keep=.5', 'topk:keep=.5,score_precision=full'
+    cmp = compare_filters(make, f'baseline {a} {b}', epochs=2, lr=1e-2, seeds=1, budgets='.5 1.5', show_progress=False, warmup=False,
+                          on_run=lambda spec, seed, rep, kind: handed.append(spec))
+    by, untag = {r['method']: r for r in cmp.runs}, lambda c: re.sub(r',?(same_work|reach)=[^,]*', '', c)
+    at = {m: [c for c in cmp.control_of[m] if c != untag(c)] for m in (a, b)}
+    twins = [(x, y) for x in at[a] for y in at[b] if untag(x) == untag(y)]
+    assert len(twins) == 3 and all(x != y for x, y in twins)   # the plain model at their work, random choice at it and over 3 epochs
+    for x, y in twins:
+        assert (x in handed) != (y in handed)                   # one of each pair trained, the other was never handed to the executor
+        assert (by[x]['method'], by[y]['method']) == (x, y)     # each run under its own name, the same fit
+        assert {k: v for k, v in by[x].items() if k != 'method'} == {k: v for k, v in by[y].items() if k != 'method'}
+    assert len(handed) == len(set(handed)) == len(cmp.runs) - len(twins)
+    assert by[a]['final_metric'] == by[b]['final_metric']       # (the methods themselves train apart)
