@@ -142,7 +142,7 @@ class LossFilterCallback(LossFilterBase):
         super().before_fit()
         self._out_checked = False   # the proxy's output shape against the model's, at the fit's first step
         if (self.run and self.score_precision == 'bf16' and next(self.learn.model.parameters()).device.type == 'cpu'
-            and not any(isinstance(cb, MixedPrecision) for cb in self.learn.cbs) and cpu_lacks_bf16()):   # under to_fp16(), its precision rules
+            and self._mixed_precision() is None and cpu_lacks_bf16()):   # under to_fp16(), its precision rules
             warnings.warn(f"{type(self).__name__}: `score_precision='bf16'` on a CPU without bf16 units (AVX512-BF16 or AMX): the scoring pass "
                           "runs several times slower than in full precision here; keep `score_precision='full'` on this machine", stacklevel=2)
         if self.run and self.score_model is not None: self._proxy_fit()
@@ -209,12 +209,14 @@ class LossFilterCallback(LossFilterBase):
         # source batches where a callback reads a pooled step's make-up (`GradientProbeCallback`)
         self.pool = BatchPool(keep_sources=any(getattr(cb, 'reads_pool_sources', False) for cb in self.learn.cbs))
 
+    def _mixed_precision(self) -> MixedPrecision|None: return next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)   # `to_fp16()`'s
+
     def _find_fit_parts(self):
         "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
         # not in `before_fit`: a callback after the filter may change the model there (`DistributedTrainer` swaps in `SyncBatchNorm`)
         self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
                           and getattr(type(cb), 'after_pred', None) is not None]
-        self._mp = next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)
+        self._mp = self._mixed_precision()
         self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self._device_type = next(self.learn.model.parameters()).device.type
         self._mixing = any(isinstance(cb, MixHandler) for cb in self.learn.cbs)   # a plain step's loss is then a mixed one

@@ -189,6 +189,10 @@ def read_runs(path) -> list:
     text = gzip.decompress(f.read_bytes()).decode() if f.suffix == '.gz' else f.read_text()
     return [upgrade_run(json.loads(l)) for l in text.splitlines() if l.strip()]   # under today's names
 
+def _runs_of(saved) -> list:
+    "Copies of the runs `saved` holds under today's names: the runs themselves (a list), or a folder or file `read_runs` reads"
+    return [upgrade_run(r) for r in saved] if isinstance(saved, (list, tuple)) else read_runs(saved)
+
 def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or `lf_bench`), a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
                     alpha:float=.05, # the level of every test
                     target:float|None=None, # the target in the metric's units; default: at the knee of the reference runs saved beside, else the plain model's median final value, `target_drop` worse
@@ -199,7 +203,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
                    ) -> Comparison:
     "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`; runs of a method this version no longer has are judged from their numbers"
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
-    runs = [upgrade_run(r) for r in (list(saved) if isinstance(saved, (list, tuple)) else read_runs(saved))]
+    runs = _runs_of(saved)
     conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
     settings = json.loads(conf.read_text()) if conf is not None and conf.exists() else dict(metric='accuracy', sign=1)
     sign = settings.get('sign', 1)
@@ -207,8 +211,7 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
         r.setdefault('history', [])   # runs saved without their checks: judged on their final value and work
         if r['history'] and 'trained' in r['history'][-1] and (score_cost is not None or judged_method(r['method']).name in BLIND):
             add_work(r, settings.get('score_cost', 0.) if score_cost is None else score_cost, _proxy_of(r, proxy_cost, settings))
-    refs = [r for r in runs if r.get('reference')] + ([upgrade_run(r) for r in (reference if isinstance(reference, (list, tuple)) else read_runs(reference))]
-                                                       if reference is not None else [])
+    refs = [r for r in runs if r.get('reference')] + (_runs_of(reference) if reference is not None else [])
     if target is None and refs:
         target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_seeds=len(refs))
     runs = [r for r in runs if not r.get('reference')]

@@ -290,7 +290,7 @@ def run_plan(plan:list, # the `Fit`s known now
              poll:float=.05 # seconds between looks at running fits
             ) -> dict:
     "Train every fit of `plan` (and those `then` adds) not in `done` on `executor`; every run by `Fit.key`, the saved ones included"
-    ex, results = executor or InlineExecutor(), dict(done or {})
+    ex, results, twin = executor or InlineExecutor(), dict(done or {}), twin or (lambda f: None)
     queue, running, seen = list(plan), {}, set()
     trained, waiting = {}, {}   # by `twin` key: the run its first fit returned (None while it trains), the fits waiting for it
     def follow(f):
@@ -303,7 +303,7 @@ def run_plan(plan:list, # the `Fit`s known now
     def collect() -> bool:   # the finished fits' runs, kept here in the order they finish; whether there were any
         finished = [f for f, fut in running.items() if fut.done()]
         for f in finished:
-            run, k = running.pop(f).result(), twin(f) if twin is not None else None
+            run, k = running.pop(f).result(), twin(f)
             if k is not None: trained[k] = run
             keep(f, run)
             for g in waiting.pop(k, []): copy_to(g, run)
@@ -315,7 +315,7 @@ def run_plan(plan:list, # the `Fit`s known now
                 if f.key in seen: continue
                 seen.add(f.key)
                 if f.key in results: follow(f); continue
-                k = twin(f) if twin is not None else None
+                k = twin(f)
                 if k in trained:   # its twin trained here, or trains now
                     if trained[k] is None: waiting.setdefault(k, []).append(f)
                     else: copy_to(f, trained[k])

@@ -7,7 +7,7 @@ several of these can run side by side (`--threads 1`).
     python tools/plateau.py --n_train 5000 --epochs 10 20 30 45 --seeds 0 1 --lr 3e-3 --augment --out bench_out/plateau.jsonl
     python tools/plateau.py --plot bench_out/plateau.jsonl --png nbs/images/bench_preset_plateau.png
 """
-import argparse, gzip, json, statistics, time
+import argparse, json, statistics, time
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,9 +48,8 @@ def group(rows):
 def plot(files, png):
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    read = lambda f: gzip.decompress(Path(f).read_bytes()).decode() if str(f).endswith('.gz') else Path(f).read_text()   # the saved lines are gzipped
-    from loss_filters.runs import upgrade_run   # lines saved under the earlier names (`final_accuracy`) read as today's
-    rows = [upgrade_run(json.loads(l)) for f in files for l in read(f).splitlines() if l.strip()]
+    from loss_filters.compare import read_runs   # gzipped or not, lines saved under the earlier names (`final_accuracy`) read as today's
+    rows = [r for f in files for r in read_runs(f)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     mean_range = lambda rs: (statistics.fmean(r['final_metric'] for r in rs),
                              (max(r['final_metric'] for r in rs) - min(r['final_metric'] for r in rs)) / 2)
