@@ -117,8 +117,17 @@ class LossFilterBase(Callback):
     "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
     order,run_valid = MixHandler.order-1,False
     name = 'loss_filter' # `learn.loss_filter`; a class-derived name would shadow the `Learner.batch_loss_filter` patch
-    def __init__(self, score:str='loss'): # what is ranked: 'loss' or 'grad_norm' (at the model's output)
+    def __init__(self, score:str='loss', # what is ranked: 'loss' or 'grad_norm' (at the model's output)
+                 reference=None, # rank by the loss minus a reference loss per example: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
+                 reference_model:nn.Module|None=None, # with 'crossfit': the references' architecture; default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
         self.score = check_score(score)
+        self.refs = None   # the `ReferenceLosses`, computed at the first training batch
+        if reference is not None:
+            from .reference import ReferenceLosses   # it uses this module's helpers
+            if score != 'loss': raise ValueError(f"`reference` subtracts a reference loss: it needs `score='loss'`, got {score!r}")
+            self.refs = ReferenceLosses(reference, reference_model, reference_epochs)
+        elif reference_model is not None: raise ValueError("`reference_model` is the references' architecture: pass it with `reference='crossfit'`")
         self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
         self.n_fits = 0        # fits that trained: the records hold the last one's
 
@@ -178,6 +187,8 @@ class LossFilterBase(Callback):
                                     "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
         check_per_sample(self.learn.loss_func)
         if dist_world()[1] > 1: self._check_distributed()
+        if self.refs is not None: self.refs.check(self.learn, type(self).__name__)
+        self.fit_ref = dict(trained=0, scored=0, seconds=0.)   # the references' work in this fit: the fit that computes them pays it
         self.score_func, self._fresh = self.learn.loss_func, True
 
     def _check_distributed(self):
@@ -198,6 +209,13 @@ class LossFilterBase(Callback):
         self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
         self.hist = DataRangeHistogram(self.hist_bins, self.hist_rows)
         self.n_fits = self.__dict__.get('n_fits', 0) + 1
+        if self.refs is not None and not self.refs.ready:   # once per filter, before its first training batch
+            r = self.refs.compute(self.learn)
+            self.fit_ref = dict(trained=r.trained, scored=r.scored, seconds=r.seconds)
+
+    def reference_work(self) -> dict:
+        "What the reference losses cost in this fit: examples the references trained on and scored, and seconds (all 0 in a fit that reused them)"
+        return dict(getattr(self, 'fit_ref', None) or dict(trained=0, scored=0, seconds=0.))
 
     def after_fit(self): self._restore()
 

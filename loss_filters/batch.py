@@ -23,10 +23,10 @@ from .base import LossFilterBase, LossFilterColumns, warn_no_op, unwrapped_loade
 from .proxy import ProxyScorer, check_score_model
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'cpu_lacks_bf16', 'param_groups', 'proxy_opt', 'follow_hypers', 'LossFilterCallback', 'BatchPool',
-           'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'TopLossCallback', 'RandomBatchCallback',
-           'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader', 'orders_own_batches', 'plain',
-           'frozen_norm_stats', 'downsample', 'take']
+__all__ = ['PRECISIONS', 'cpu_lacks_bf16', 'param_groups', 'proxy_opt', 'follow_hypers', 'OrderTap', 'LossFilterCallback',
+           'BatchPool', 'SelectiveBackpropCallback', 'BatchLossFilterCallback', 'TopLossCallback',
+           'RandomBatchCallback', 'LossFilterBase', 'LossFilterColumns', 'warn_no_op', 'unwrapped_loader',
+           'orders_own_batches', 'plain', 'frozen_norm_stats', 'downsample', 'take']
 
 # %% ../nbs/01_batch.ipynb #aa058af1
 # the shared base's names, and the step's functions now in `core`, keep their old import path, `loss_filters.batch`
@@ -101,6 +101,19 @@ def _pool_refusal(dl) -> str|None:
     pads = [n for n in names if 'pad' in n.lower()]   # text's `Pad_Chunk` and `Pad_Input`, a padding function of yours
     if pads: return f"its `before_batch` ({', '.join(pads)}) pads each batch to its own length, so the examples of two batches do not join"
 
+class OrderTap:
+    "The training loader's `get_idxs`, wrapped: each epoch's order is kept (`order`), so a filter knows which example each row of a batch is"
+    def __init__(self, dl): self.dl, self.order, self.own = dl, None, dl.__dict__.get('get_idxs')
+    def __call__(self):
+        idxs = list(self.own() if self.own is not None else type(self.dl).get_idxs(self.dl))
+        self.order = torch.as_tensor(idxs, dtype=torch.long)
+        return idxs
+    def remove(self):
+        "Give the loader its own `get_idxs` back"
+        if self.dl.__dict__.get('get_idxs') is self:
+            if self.own is None: del self.dl.__dict__['get_idxs']
+            else: self.dl.get_idxs = self.own
+
 class LossFilterCallback(LossFilterBase):
     "Score each training batch without gradients and train only on the examples `select` keeps"
     def __init__(self, *, # settings by keyword only
@@ -113,7 +126,10 @@ class LossFilterCallback(LossFilterBase):
                  score:str='loss', # what the selector ranks: 'loss' or 'grad_norm' (at the model's output)
                  score_precision:str='full', # the scoring pass's precision, the model's or a proxy's: 'full', or autocast to 'bf16' or 'fp16'
                  score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model (`ProxyScorer`), trained online by the filter
-                 train_every:int=1): # with `score_model`: the proxy takes a step every `train_every` batches, on the rows the model trains on (1: every batch)
+                 train_every:int=1, # with `score_model`: the proxy takes a step every `train_every` batches, on the rows the model trains on (1: every batch)
+                 reference=None, # rank by the loss minus each example's reference loss: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
+                 reference_model:nn.Module|None=None, # with 'crossfit': the references' architecture; default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
         check_schedule(start, end, interrupt)
         if score_model is not None:
             check_score_model(score_model)
@@ -123,8 +139,9 @@ class LossFilterCallback(LossFilterBase):
         check_int('skip_epochs', skip_epochs)
         if score_precision not in PRECISIONS:
             raise ValueError(f"`score_precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {score_precision!r}")
-        super().__init__(score=score)
+        super().__init__(score=score, reference=reference, reference_model=reference_model, reference_epochs=reference_epochs)
         store_attr('start,end,interrupt,scale_factor,skip_epochs,fill_batch,score_precision,score_model,train_every')
+        self._tap = None   # the training loader's order this epoch, with a `reference`
         self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
         self.proxy = None      # the `ProxyScorer` of `score_model`, made at the first fit
         self._px_rows, self._px_events, self._px_fill_steps, self._px_learns = None, set(), 0, False   # the proxy's rows of this step; the step's events; `fill_batch` steps; whether it learns the kept rows
@@ -153,6 +170,42 @@ class LossFilterCallback(LossFilterBase):
     def before_train(self):
         super().before_train()
         self._find_fit_parts()
+        if self.refs is not None: self._tap_order()
+
+    def _tap_order(self):
+        "Keep the order the training loader draws this epoch, so that each row of a batch is known as a training example"
+        inner = unwrapped_loader(self.dls.train)
+        if self._tap is None or self._tap.dl is not inner: self._untap(); self._tap = OrderTap(inner)
+        inner.get_idxs = self._tap
+
+    def _untap(self):
+        t, self._tap = self.__dict__.get('_tap'), None
+        if t is not None: t.remove()
+
+    def _restore(self):
+        "The training loader's own `get_idxs` back, if a reference tapped it"
+        super()._restore()
+        self._untap()
+
+    def after_train(self):
+        super().after_train()
+        self._untap()
+
+    def batch_rows(self, n:int) -> Tensor:
+        "The training examples (dataset indices) of this batch's `n` rows, from the order its loader drew this epoch"
+        t, i = self._tap, self.learn.iter
+        bs = unwrapped_loader(self.dls.train).bs
+        rows = t.order[i * bs:i * bs + n] if t is not None and t.order is not None else None
+        if rows is None or len(rows) != n:
+            raise ValueError(f"{type(self).__name__}: cannot tell which training example each row of batch {i} is (its loader drew "
+                             f"{'no order' if rows is None else f'{len(rows)} examples there for {n} rows'}); a `reference` needs a fastai "
+                             "DataLoader whose batches are its `get_idxs` order cut in `bs` pieces")
+        return rows
+
+    def _reducible(self, scores:Tensor) -> Tensor:
+        "`scores` less each row's reference loss, where there is a `reference`"
+        if self.refs is None: return scores
+        return reducible_loss(scores, self.refs.of(self.batch_rows(len(scores)).to(scores.device)))
 
     def _proxy_fit(self):
         "Make the proxy's scorer at the first fit (it keeps learning over the next ones), with an optimizer made as the Learner's, on the model's device"
@@ -259,18 +312,19 @@ class LossFilterCallback(LossFilterBase):
         if self.proxy is not None:   # no graph: the proxy learns the rows the model trains on by a forward of its own on them, half the backward
             self._px_learns = self.proxy.due and not self.fill_batch   # read before `score` counts the batch
             losses = self.proxy.score(learn.xb, learn.yb, graph=False, autocast=self._autocast())   # in the filter's `score_precision` too
-            return losses, losses
+            return losses, self._reducible(losses)
         losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
                                         after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
         self.fit_scored += losses.shape[0]
         self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
-        return losses, scores
+        return losses, self._reducible(scores)
 
     def _check_first_batch(self):
         "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
         self._checked = True
         map_batch(noop, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
         if self.proxy is not None: self.proxy.check(self.learn.xb, self.learn.yb)   # its output fits the loss (its shape is checked at `after_loss`)
+        if self.refs is not None: self.batch_rows(find_bs(self.learn.yb))   # each row known as a training example, before any step
 
     def _check_step_losses(self):
         "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
@@ -395,11 +449,15 @@ class SelectiveBackpropCallback(LossFilterCallback):
                  score:str='loss', # rank by 'loss' or by 'grad_norm' at the model's output
                  score_precision:str='full', # the scoring pass's precision, the model's or a proxy's: 'full', or autocast to 'bf16' or 'fp16'
                  score_model:nn.Module|None=None, # a small proxy that scores the batches instead of the model, trained online
-                 train_every:int=1): # with `score_model`: a step of the proxy every `train_every` batches
+                 train_every:int=1, # with `score_model`: a step of the proxy every `train_every` batches
+                 reference=None, # rank by the loss minus each example's reference loss: 'crossfit', a trained model, or the losses
+                 reference_model:nn.Module|None=None, # with 'crossfit': the references' architecture; default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
         check_range('keep', keep, 0, 1, lo_open=True)
         if keep == 1: warn_no_op(self, 'keep=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(start=start, end=end, interrupt=interrupt, scale_factor=scale_factor, fill_batch=fill_batch, score=score,
-                         score_precision=score_precision, score_model=score_model, train_every=train_every)
+                         score_precision=score_precision, score_model=score_model, train_every=train_every, reference=reference,
+                         reference_model=reference_model, reference_epochs=reference_epochs)
         self.keep = keep
 
     def is_active(self): return self.keep < 1 and super().is_active()
@@ -420,7 +478,8 @@ class BatchLossFilterCallback(LossFilterCallback):
         if min_sample_perc == 1: warn_no_op(self, 'min_sample_perc=1', 'keeps every example of each batch and only adds a scoring pass')
         super().__init__(skip_epochs=skip_epochs, **kwargs)
         store_attr('min_sample_perc,min_loss_perc')
-    def select(self, scores): return select_by_loss_share(scores, self.min_loss_perc, self.min_sample_perc)
+    def select(self, scores):   # a reducible loss below 0 carries no share: nothing left to learn there
+        return select_by_loss_share(scores if self.refs is None else scores.clamp(min=0), self.min_loss_perc, self.min_sample_perc)
 
 # %% ../nbs/01_batch.ipynb #8b548794
 @delegates()

@@ -36,7 +36,8 @@ __all__ = ['PRESETS', 'SWITCH', 'bench_work_costs', 'valid_accuracy', 'run_metho
 # Fashion-MNIST images. `quick`: every default method once, no controls. `compute`: the bench CNN where training is compute-bound (the plain
 # curve still rises past the full schedule), 6 seeds: where savings are claimed. `long`: clean images on a short schedule at the plain
 # model's plateau, every control beside every method: the check that a filter loses nothing there. `aug`: crop and flip on a long one-cycle
-# schedule at its plateau, the regime the recipes were published for. A preset's `target` holds for its own data and settings.
+# schedule at its plateau, the regime the recipes were published for. `noisy`: wrong training labels (20%, or `label_noise`), a schedule long
+# enough for the MLP to learn them by heart, where ranking by the raw loss points at the wrong labels. A preset's `target` holds for its own data and settings.
 PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=30_000, n_valid=None,
                          methods='baseline blf', budgets='.5 .75 1.25 1.5', model='mlp', seeds=5),
                quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
@@ -48,7 +49,10 @@ PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=Tr
                          target=.8486),   # fixed in advance: the knee of 5 reference seeds (6-10), saved in nbs/bench_runs/long_flops_runs.jsonl.gz
                aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1,
-                        target=.8029))   # fixed in advance: the knee of 5 reference seeds (21-25), saved in nbs/bench_runs/aug_reference_runs.jsonl.gz
+                        target=.8029),   # fixed in advance: the knee of 5 reference seeds (21-25), saved in nbs/bench_runs/aug_reference_runs.jsonl.gz
+               noisy=dict(epochs=20, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=10_000, n_valid=None,
+                          methods='baseline blf topk sb blf:reference=crossfit topk:reference=crossfit sb:reference=crossfit drop',
+                          budgets='.5 .75 1.25 1.5', model='mlp', seeds=6, label_noise=.2))
 
 # %% ../nbs/10_bench.ipynb #7870f727
 def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
@@ -130,7 +134,7 @@ class BenchLearners:
     def proxy(self, width:float) -> nn.Module: return make_model(self.proxy_model or self.model, self.dls, width)
 
 def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         preset:str='main', # `main` (the main job: the Batch Loss Filter with every control, 5 seeds, minutes), `quick` (every default method once, no controls), `compute` (the bench CNN where training is compute-bound, every control, 6 seeds), `long` (clean, short schedule at the plain model's plateau, every control) or `aug` (crop and flip, long schedule at its plateau, every control)
+         preset:str='main', # `main` (the main job: the Batch Loss Filter with every control, 5 seeds, minutes), `quick` (every default method once, no controls), `compute` (the bench CNN where training is compute-bound, every control, 6 seeds), `long` (clean, short schedule at the plain model's plateau, every control) `aug` (crop and flip, long schedule at its plateau, every control) or `noisy` (20% of 10,000 training labels wrong, the MLP over 20 epochs, where it memorises them; the raw-loss filters beside their reference-scored variants and `drop`, 6 seeds)
          epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
          seeds:int=None, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...; default: the preset's
          bs:int=None, # batch size; default: the preset's
@@ -154,7 +158,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          model:str=None, # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network); default: the preset's
          proxy_model:str=None, # the family of a method's proxy (`proxy=` its width share): one of the models; default: the model's own
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
-         label_noise:float=0., # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)
+         label_noise:float=None, # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean); default: the preset's (0 but in `noisy`)
          quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
          resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
          alpha:float=.05, # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
@@ -166,6 +170,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
     methods, budgets, n_train, n_valid, bs = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
                                                                                   (n_train, 'n_train'), (n_valid, 'n_valid'), (bs, 'bs')))
     seeds, model = _preset_value(seeds, 'seeds', pre), _preset_value(model, 'model', pre)
+    label_noise = pre.get('label_noise', 0.) if label_noise is None else label_noise
     controls, augment = _switch('controls', controls, pre), _switch('augment', augment, pre)
     specs = methods.split()
     for s in specs: parse_method(s)

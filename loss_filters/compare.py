@@ -210,7 +210,8 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
     for r in runs:
         r.setdefault('history', [])   # runs saved without their checks: judged on their final value and work
         if r['history'] and 'trained' in r['history'][-1] and (score_cost is not None or judged_method(r['method']).name in BLIND):
-            add_work(r, settings.get('score_cost', 0.) if score_cost is None else score_cost, _proxy_of(r, proxy_cost, settings))
+            add_work(r, settings.get('score_cost', 0.) if score_cost is None else score_cost, _proxy_of(r, proxy_cost, settings),
+                     _proxy_of(r, proxy_cost, settings, 'ref_width'))
     refs = [r for r in runs if r.get('reference')] + (_runs_of(reference) if reference is not None else [])
     if target is None and refs:
         target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_seeds=len(refs))
@@ -220,9 +221,9 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
     budgets, control_of = found_controls(runs)
     return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
 
-def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict) -> dict|None:
-    "The proxy costs of `run`'s method (by its `proxy=` width), from `proxy_cost` or the saved settings"
-    w = judged_method(run['method']).proxy
+def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict, what:str='proxy') -> dict|None:
+    "The costs of `run`'s proxy (by its `proxy=` width), or of its references (`what='ref_width'`), from `proxy_cost` or the saved settings"
+    w = getattr(judged_method(run['method']), what)
     if w is None: return None
     costs = proxy_cost if proxy_cost is not None else settings.get('proxy_cost', {})
     c = costs.get(str(w)) or costs.get(f'{w:g}')
@@ -297,11 +298,13 @@ def _method_specs(methods, make_proxy, add_baseline:bool) -> list:
     "The methods as a list, each parsed and checked once, the plain model first when missing (the target and every paired ratio need it)"
     specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
     if _proxy_widths(specs) and make_proxy is None:
-        raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s)} score by a proxy: pass `make_proxy`, a function of the width share "
-                         "that returns the proxy model")
+        raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s or 'ref_width=' in s)} score by a proxy or train smaller references: "
+                         "pass `make_proxy`, a function of the width share that returns the smaller model")
     return (['baseline'] if add_baseline and 'baseline' not in specs else []) + specs
 
-def _proxy_widths(specs:list) -> list: return sorted({m.proxy for m in map(parse_method, specs) if m.proxy is not None})
+def _proxy_widths(specs:list) -> list:
+    "The widths of every proxy and every smaller reference the methods train (`make_proxy` builds both)"
+    return sorted({w for m in map(parse_method, specs) for w in (m.proxy, m.ref_width) if w is not None})
 
 def _work_costs(probe, settings:dict, saved:dict, widths:list, make_proxy, seed:int) -> dict:
     "A scored example's cost and each proxy width's: the saved runs' when resuming (their work stays on one scale), else counted (or timed) on `probe`"
@@ -332,8 +335,9 @@ class _Ledger:
 
     def finished(self, f:Fit, run:dict) -> dict:
         st = self.settings
+        m = parse_method(f.spec)
         run = add_work(run | dict(seed=f.seed, repeat=f.repeat, sitting=self.sitting, workers=self.workers), st['score_cost'],
-                       st['proxy_cost'].get(str(parse_method(f.spec).proxy)))   # `sitting`: runs of one call, interleaved, share the machine's load
+                       st['proxy_cost'].get(str(m.proxy)), st['proxy_cost'].get(str(m.ref_width)))   # `sitting`: runs of one call, interleaved, share the machine's load
         if f.kind == 'reference': run['reference'] = True   # saved as such: never judged, on resuming too
         if self.folder is not None:
             with open(self.folder / 'runs.jsonl', 'a') as fh: fh.write(json.dumps(run) + '\n')

@@ -15,7 +15,7 @@ __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample
            'select_by_loss_share', 'select_top_k', 'at_least_two', 'prune_by_stale_loss', 'hide_learned',
            'share_by_rate', 'prune_at_random', 'select_at_random', 'reweighted_loss', 'plain', 'map_batch', 'take',
            'frozen_norm_stats', 'downsample', 'score_examples', 'check_schedule', 'should_select', 'dist_world',
-           'all_reduce_sum', 'own_generator']
+           'all_reduce_sum', 'own_generator', 'crossfit_folds', 'reducible_loss', 'agrees_with_label']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -463,3 +463,29 @@ def own_generator(device=None) -> torch.Generator:
     with torch.random.fork_rng(devices=[]): seed = torch.randint(2**62, (), dtype=torch.int64)
     seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))
     return torch.Generator(device=device or 'cpu').manual_seed(seed)
+
+# %% ../nbs/00_core.ipynb #9dcb6802
+def crossfit_folds(n:int, # examples in the training set
+                   generator:torch.Generator|None=None # random source
+                  ) -> Tensor: # the fold of each example, 0 or 1: `n // 2` zeros
+    "Two random halves of `n` examples: a reference trains on one and scores the other"
+    check_int('n', n, 2)
+    fold = torch.ones(n, dtype=torch.long)
+    fold[torch.randperm(n, generator=generator)[:n // 2]] = 0
+    return fold
+
+def reducible_loss(losses:Tensor, # the model's per-example losses, shape `[n]`
+                   reference:Tensor # the reference's losses of the same examples, shape `[n]`
+                  ) -> Tensor:
+    "What the model can still learn from each example: its loss minus the reference's (negative where the reference does worse)"
+    _check_losses(losses)
+    if reference.shape != losses.shape: raise ValueError(f"`reference` must hold one loss per example, shape {tuple(losses.shape)}, got {tuple(reference.shape)}")
+    return losses - reference.to(losses.device, losses.dtype)
+
+def agrees_with_label(pred:Tensor, # a classifier's output, `[n, classes]`
+                      *yb) -> Tensor|None: # the targets: one class index per example
+    "Whether each example's predicted class is its label; None where the output or the target has no single class per example"
+    if len(yb) != 1 or not isinstance(pred, Tensor) or pred.ndim != 2 or not isinstance(yb[0], Tensor): return None
+    y = yb[0]
+    if y.ndim != 1 or y.is_floating_point() or len(y) != len(pred): return None
+    return pred.argmax(-1) == y

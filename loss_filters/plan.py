@@ -57,11 +57,12 @@ def matched_control(spec:str, runs:list) -> str|None:
     m = judged_method(spec)
     if not _judged_filter(m): return None
     rs, cb = [r for r in runs if r['method'] == spec], m.cls(**m.kw)
-    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k != 'proxy')   # the method's own run settings (epochs, rate); the choice is blind, so no proxy
+    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k not in ('proxy', 'ref_width'))   # the method's own run settings (epochs, rate); the choice is blind, so no proxy, no reference
     if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
         shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
         raise_lr = ',lr_scale=1' if getattr(cb, 'lr_scale', False) else ''
-        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}{raise_lr}{sched}" if shares else None
+        first = ',from_first=True' if cb.prunes_first else ''   # a pruner that prunes its first epoch too: so does its control
+        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}{raise_lr}{first}{sched}" if shares else None
     shares = [k for r in rs for _, k in r.get('kept', [])]   # the share of each batch it filtered, on its own schedule
     if not shares: return None
     return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"

@@ -15,13 +15,13 @@ from fastai.callback.schedule import ParamScheduler     # also patches `Learner.
 from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback, proxy_opt
 from .core import plain, frozen_norm_stats
 from .proxy import first_output
-from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, plain_epoch_size
+from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, DropMislabeledCallback, plain_epoch_size
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'is_plain_schedule', 'control_specs', 'work_slug', 'Method',
            'parse_method', 'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device',
-           'fit_scored', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule', 'seeded_proxy',
-           'upgrade_run', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost',
+           'fit_scored', 'reference_work', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule',
+           'seeded_proxy', 'upgrade_run', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost',
            'learner_proxy_cost', 'learner_flop_costs', 'proxy_costs']
 
 # %% ../nbs/05_runs.ipynb #dce50390
@@ -29,7 +29,7 @@ _gn = dict(score='grad_norm')
 METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(SelectiveBackpropCallback, {}),
                stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
                sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn),
-               hide=(HideLearnedCallback, {}),
+               hide=(HideLearnedCallback, {}), drop=(DropMislabeledCallback, {}),
                topk=(TopLossCallback, {}),
                random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
 DEFAULT_METHODS = 'baseline blf sb stale'
@@ -72,6 +72,8 @@ class Method(NamedTuple):
     def batch(self) -> bool: return self.cls is not None and issubclass(self.cls, LossFilterCallback)   # chooses within each batch
     @property
     def proxy(self) -> float|None: return self.run.get('proxy')   # the proxy's width share, when a proxy scores
+    @property
+    def ref_width(self) -> float|None: return self.run.get('ref_width')   # the cross-fitted references' width share, when smaller than the model
     def epochs(self, default:int) -> int: return self.run.get('epochs', default)
     @property
     def at_work_of(self) -> str|None: return _unslug(self.run.get('same_work', ''))   # a control at that method's work: the method
@@ -93,7 +95,12 @@ def _parse(spec:str) -> Method:
     if name not in METHODS: raise ValueError(f"unknown method {name!r} in `methods`; choose from {', '.join(METHODS)}")
     cls, defaults = METHODS[name]
     kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if a.strip()))
-    run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy',) if k in kw}
+    run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy', 'ref_width') if k in kw}
+    if 'ref_width' in run:   # the references at that share of the model's widths: `make_proxy(width)` builds them
+        if cls is None or (kw.get('reference') != 'crossfit' and cls is not DropMislabeledCallback):
+            raise ValueError(f"`ref_width` in method {spec!r}: only a method with `reference=crossfit` (or `drop`) trains references")
+        if isinstance(run['ref_width'], bool) or not isinstance(run['ref_width'], (int, float)) or not 0 < run['ref_width'] <= 1:
+            raise ValueError(f"`ref_width` in method {spec!r} must be the references' share of the model's widths, in (0, 1], got {run['ref_width']!r}")
     if 'proxy' in run:   # the batch filter scored by a proxy: `make_proxy(width)`, the model at that share of its widths
         if cls is None or not issubclass(cls, LossFilterCallback):
             raise ValueError(f"`proxy` in method {spec!r}: only a batch filter (blf, sb, topk, random_batch) scores by a proxy")
@@ -123,7 +130,7 @@ def judged_method(spec:str|Method) -> Method:
         name, _, args = str(spec).partition(':')
         if name == 'baseline': raise
         kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if '=' in a))
-        run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy',) if k in kw}
+        run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy', 'ref_width') if k in kw}
         return Method(str(spec), RetiredMethod, MappingProxyType(kw), MappingProxyType(run))
 
 # %% ../nbs/05_runs.ipynb #01f1925d
@@ -146,6 +153,11 @@ def fit_scored(learn) -> int:
     "Examples that went through the Learner's loss filter's scoring pass in this fit (0 without a scoring pass)"
     return getattr(getattr(learn, 'loss_filter', None), 'fit_scored', 0)
 
+def reference_work(learn) -> dict:
+    "What the filter's reference losses cost in this fit: `trained` and `scored` examples and `seconds` (zeros without references)"
+    f = getattr(getattr(learn, 'loss_filter', None), 'reference_work', None)
+    return f() if f is not None else dict(trained=0, scored=0, seconds=0.)
+
 def proxy_work(learn) -> tuple:
     "(examples the filter's proxy scored without a graph, examples it scored and trained on) in this fit; (0, 0) without a proxy"
     f = getattr(getattr(learn, 'loss_filter', None), 'proxy_work', None)
@@ -161,20 +173,25 @@ class EpochClock(Callback):
                  check=None): # `(model, valid_dl) -> value`: the metric inside an epoch
         if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs a `check` function for the checks inside an epoch")
         self.evals_per_epoch, self.metric, self.sign, self.check = evals_per_epoch, metric, sign, check
-    def before_fit(self): self.train_s, self.t_fit, self.history, self.__dict__['trained'] = 0., time.perf_counter(), [], 0
+    def before_fit(self): self.train_s, self.t_fit, self.history, self.__dict__['trained'], self.ref_s = 0., time.perf_counter(), [], 0, 0.
     def before_train(self): sync_device(); self.t0 = time.perf_counter()
-    def after_train(self): sync_device(); self.train_s += time.perf_counter() - self.t0
+    def after_train(self): sync_device(); self.train_s += time.perf_counter() - self.t0; self._claim_ref_s()
+    def _claim_ref_s(self):
+        "The seconds the filter's references took before this epoch's clock started, counted once as training seconds"
+        s = reference_work(self.learn)['seconds']
+        self.train_s, self.ref_s = self.train_s + s - self.ref_s, s
     def after_loss(self):
         "Count the examples of every training step (a batch a filter cancels never gets here)"
         if self.training: self.__dict__['trained'] += find_bs(self.learn.yb)   # past `Callback.__setattr__`: per batch
     def _work(self) -> dict:
         ps, pt = proxy_work(self.learn)
-        return dict(trained=self.trained, scored=fit_scored(self.learn), proxy_scored=ps, proxy_trained=pt)
+        rw = reference_work(self.learn)
+        return dict(trained=self.trained, scored=fit_scored(self.learn), proxy_scored=ps, proxy_trained=pt, ref_trained=rw['trained'], ref_scored=rw['scored'])
     def after_batch(self):
         if not self.training or self.evals_per_epoch < 2: return
         k, n = self.evals_per_epoch, self.n_iter
         if self.iter + 1 not in {round(n * j / k) for j in range(1, k)} - {n}: return
-        sync_device(); self.train_s += time.perf_counter() - self.t0
+        sync_device(); self.train_s += time.perf_counter() - self.t0; self._claim_ref_s()
         value = self.check(self.learn.model, self.dls.valid)
         self.history.append(dict(epoch=self.epoch + (self.iter + 1) / n, train_s=self.train_s, wall_s=time.perf_counter() - self.t_fit,
                                  metric=self.sign * value, valid_loss=None, samp_perc=None, **self._work()))
@@ -225,6 +242,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     set_seed(seed, reproducible=True)
     learn = make_learner()
     if m.proxy is not None: kw = kw | dict(score_model=seeded_proxy(make_proxy, m.proxy, seed, spec))   # before the loaders' seeds: it may draw a batch
+    if m.ref_width is not None: kw = kw | dict(reference_model=seeded_proxy(make_proxy, m.ref_width, seed + 1, spec))
     seed_loaders(learn, seed)   # the same data order for every method
     clock = EpochClock(evals_per_epoch, metric, sign, check)
     cut = [] if examples is None else [CutSchedule(max(1, round(examples / learn.dls.train.bs)))]
@@ -243,6 +261,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
     return dict(diagnostics=diag, method=m.spec, epochs=epochs, lr=lr, train_s=clock.train_s, wall_s=h[-1]['wall_s'],
                 final_metric=h[-1]['metric'], mean_samp_perc=statistics.fmean(e['samp_perc'] for e in h if e['samp_perc'] is not None),
                 trained=h[-1]['trained'], scored=h[-1]['scored'], proxy_scored=h[-1]['proxy_scored'], proxy_trained=h[-1]['proxy_trained'],
+                ref_trained=h[-1]['ref_trained'], ref_scored=h[-1]['ref_scored'], ref_s=clock.ref_s,
                 plain_epoch=plain_epoch_size(learn.dls.train.n, learn.dls.train.bs, learn.dls.train.drop_last),
                 lr_mult=getattr(filt, 'mean_lr_mult', 1.), history=h,
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
@@ -288,13 +307,16 @@ def time_to_target(history:list, # checks: dicts with `metric` (the metric's val
 
 BLIND = ('random', 'random_batch')   # the controls that choose at random: their choice needs no score
 
-def add_work(run:dict, score_cost:float, proxy_cost:dict|None=None) -> dict:
-    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained); a random control is charged its training only"
+def add_work(run:dict, score_cost:float, proxy_cost:dict|None=None,
+             ref_cost:dict|None=None) -> dict: # the references' `score` and `step` costs per example; default the model's own (`score_cost`, 1)
+    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained), plus the references' trained and scored examples; a random control is charged its training only"
+    rc = ref_cost or dict(score=score_cost, step=1.)
     if judged_method(run['method']).name in BLIND: score_cost, proxy_cost = 0., None   # it may score for its records, but random choice needs no score
     pc = proxy_cost or dict(score=0., step=0.)
     if (run.get('proxy_scored') or run.get('proxy_trained')) and proxy_cost is None and score_cost:
         raise ValueError(f"the run of {run['method']!r} used a proxy: its work needs `proxy_cost`")
-    per = lambda e: (e['trained'] + score_cost * e['scored'] + pc['score'] * e.get('proxy_scored', 0) + pc['step'] * e.get('proxy_trained', 0)) / run['plain_epoch']
+    per = lambda e: (e['trained'] + score_cost * e['scored'] + pc['score'] * e.get('proxy_scored', 0) + pc['step'] * e.get('proxy_trained', 0)
+                     + rc['step'] * e.get('ref_trained', 0) + rc['score'] * e.get('ref_scored', 0)) / run['plain_epoch']
     for e in run['history']: e['work'] = per(e)
     run['work'] = per(run)
     return run

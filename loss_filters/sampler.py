@@ -13,13 +13,13 @@ from fastai.data.load import DataLoader
 from fastai.callback.mixup import MixHandler
 from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
-                               check_range, dist_world, all_reduce_sum, prune_at_random, plain)
+                               check_range, dist_world, all_reduce_sum, prune_at_random, plain, reducible_loss)
 from fastcore.basics import noop
 from .base import LossFilterBase, DataRangeHistogram, orders_own_batches, unwrapped_loader, warn_no_op, by_keyword
 
 # %% auto #0
 __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
-           'HideLearnedCallback', 'RandomPruningCallback']
+           'HideLearnedCallback', 'RandomPruningCallback', 'DropMislabeledCallback']
 
 # %% ../nbs/02_sampler.ipynb #1acfc172
 _epoch_attrs = ('get_idxs', 'chunkify', 'sample', 'randomize')   # what an epoch sets on the loader instance, over its class's methods
@@ -82,15 +82,19 @@ class SamplerPruningCallback(LossFilterBase):
     def __init__(self, *, # settings by keyword only
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  score:str='loss', # what each step records per example: 'loss' or 'grad_norm' at the model's output
-                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+                 lr_scale:bool=False, # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+                 reference=None, # rank by the loss minus each example's reference loss: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
+                 reference_model=None, # with 'crossfit': the references' architecture (an `nn.Module`); default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
         check_range('anneal', anneal, 0, 1)
-        super().__init__(score=score)
+        super().__init__(score=score, reference=reference, reference_model=reference_model, reference_epochs=reference_epochs)
         store_attr('anneal,lr_scale')
 
     def epoch_keep(self) -> tuple:
         "The policy: `(keep, weights)` for a pruned epoch, a bool mask over the dataset and per-example loss weights (or None)"
         raise NotImplementedError
 
+    prunes_first = False   # whether the first epoch is pruned too (by a rule that needs no loss of the model's: the references')
     _local_sums = ('n_seen', 'n_trained', '_loss_sum', '_n_loss')   # the stale-loss sums come from the shared table
     _hot = LossFilterBase._hot | {'_lrs'}
     same_count = True   # every rank trains equal batches
@@ -112,7 +116,7 @@ class SamplerPruningCallback(LossFilterBase):
     def _idle_reason(self) -> str|None:
         "No pruned epoch: the first has no losses yet, and every later one anneals"
         n = self.learn.n_epoch
-        if any(not anneals(e, n, self.anneal) for e in range(1, n)): return
+        if any(not anneals(e, n, self.anneal) for e in range(0 if self.prunes_first else 1, n)): return
         if n == 1: return "its first epoch trains on all data, as it has no losses yet; fit more epochs"
         return f"every epoch after the first anneals (trains on all data) with `anneal={self.anneal}`; fit more epochs or lower `anneal`"
 
@@ -179,7 +183,7 @@ class SamplerPruningCallback(LossFilterBase):
         if self.epoch == 0: self._warned_unvisited = False
         dl, n = self.dls.train, len(self.table)
         inner = dl.dl if _is_distributed_dl(dl) else dl
-        full = self.epoch == 0 or anneals(self.epoch, self.n_epoch, self.anneal)
+        full = (self.epoch == 0 and not self.prunes_first) or anneals(self.epoch, self.n_epoch, self.anneal)
         keep, self.weights = (torch.ones_like(self.table, dtype=torch.bool), None) if full else self.epoch_keep()
         rank, world = (dl.rank, dl.world_size) if _is_distributed_dl(dl) else (0, 1)
         self.epoch_order, sizes = self._epoch_batches(inner, keep, world)
@@ -197,7 +201,7 @@ class SamplerPruningCallback(LossFilterBase):
         self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
         self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
         if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
-        if not full: self._warn_unvisited(known, world)
+        if not full and self.epoch > 0: self._warn_unvisited(known, world)
 
     def _warn_unvisited(self, known:Tensor, world:int):
         "Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` draws with replacement)"
@@ -250,6 +254,7 @@ class SamplerPruningCallback(LossFilterBase):
         if self.score == 'loss': scores = losses.detach().float()
         else:
             with torch.no_grad(): scores = per_sample_grad_norm(self.score_func, pred, *yb)
+        if self.refs is not None: scores = reducible_loss(scores, self.refs.of(idx.to(scores.device)))   # what is left to learn
         self.table[idx], self.trained[idx] = scores, True
         self.n_trained += len(idx); self.fit_trained += len(idx)
         self.hist.add(scores, self.train_iter)
@@ -361,10 +366,13 @@ class StaleLossPruningCallback(SamplerPruningCallback):
                  prune:float=.5, # share of the below-mean-loss examples left out of each epoch, in [0, 1)
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
                  score:str='loss', # what is remembered and pruned on: 'loss' or 'grad_norm' at the model's output
-                 lr_scale:bool=False): # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+                 lr_scale:bool=False, # in a pruned epoch, raise the learning rate by a plain epoch's examples over the epoch's
+                 reference=None, # rank by the loss minus each example's reference loss: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
+                 reference_model=None, # with 'crossfit': the references' architecture (an `nn.Module`); default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
         check_range('prune', prune, 0, 1, hi_open=True)
         if prune == 0: warn_no_op(self, 'prune=0', 'leaves no example out of any epoch')
-        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale)
+        super().__init__(anneal=anneal, score=score, lr_scale=lr_scale, reference=reference, reference_model=reference_model, reference_epochs=reference_epochs)
         self.prune = prune
 
     def epoch_keep(self):
@@ -399,12 +407,15 @@ class HideLearnedCallback(SamplerPruningCallback):
                  confidence:float=.9, # hide only examples whose last loss is at most `-log(confidence)`, in (0, 1]
                  lr_scale:bool=True, # in a pruned epoch, raise the learning rate by `n/kept` for its fewer steps (KAKURENBO)
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 follow_lr:bool=True): # once the scheduled rate decays, hide `max_hide` times the rate still ahead over the peak
+                 follow_lr:bool=True, # once the scheduled rate decays, hide `max_hide` times the rate still ahead over the peak
+                 reference=None, # rank by the loss minus each example's reference loss: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
+                 reference_model=None, # with 'crossfit': the references' architecture (an `nn.Module`); default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
         check_range('max_hide', max_hide, 0, 1, hi_open=True)
         check_range('confidence', confidence, 0, 1, lo_open=True)
         if not isinstance(follow_lr, bool): raise TypeError(f"`follow_lr` must be True or False, got {follow_lr!r}")
         if max_hide == 0: warn_no_op(self, 'max_hide=0', 'hides no example from any epoch')
-        super().__init__(anneal=anneal, lr_scale=lr_scale)
+        super().__init__(anneal=anneal, lr_scale=lr_scale, reference=reference, reference_model=reference_model, reference_epochs=reference_epochs)
         store_attr('max_hide,confidence,follow_lr')
 
     def _new_records(self):
@@ -437,10 +448,38 @@ class RandomPruningCallback(SamplerPruningCallback):
     def __init__(self, *, # settings by keyword only
                  keep:float=.7, # share of the dataset in each pruned epoch, in (0, 1]
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
-                 lr_scale:bool=False): # raise the rate in a pruned epoch as `HideLearnedCallback` does: its control with the raise
+                 lr_scale:bool=False, # raise the rate in a pruned epoch as `HideLearnedCallback` does: its control with the raise
+                 from_first:bool=False): # prune the first epoch too, as `DropMislabeledCallback` does: its control
         check_range('keep', keep, 0, 1, lo_open=True)
+        if not isinstance(from_first, bool): raise TypeError(f"`from_first` must be True or False, got {from_first!r}")
         if keep == 1: warn_no_op(self, 'keep=1', 'leaves no example out of any epoch')
         super().__init__(anneal=anneal, lr_scale=lr_scale)
-        self.keep = keep
+        self.keep, self.prunes_first = keep, from_first
 
     def epoch_keep(self): return prune_at_random(len(self.table), self.keep, self.gen, self.table.device), None
+
+# %% ../nbs/02_sampler.ipynb #91b6f416
+class DropMislabeledCallback(SamplerPruningCallback):
+    "Clean, then train plainly: every epoch leaves out the examples whose cross-fitted reference predicts another class than their label"
+    prunes_first = True   # the references are known before the first batch
+    def __init__(self, *, # settings by keyword only
+                 reference='crossfit', # where the predictions come from: 'crossfit' (two references on halves), or a trained model of yours
+                 reference_model=None, # with 'crossfit': the references' architecture (an `nn.Module`); default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
+        if reference is None or isinstance(reference, (Tensor, list, tuple, np.ndarray)):
+            raise ValueError("`DropMislabeledCallback` needs a reference's predictions: `reference` must be 'crossfit' or a trained model, not losses")
+        super().__init__(anneal=0., reference=reference, reference_model=reference_model, reference_epochs=reference_epochs)
+
+    def epoch_keep(self):
+        agree = self.refs.agree
+        if agree is None: raise ValueError(f"{type(self).__name__} needs a classifier: a target of one class index per example and an output "
+                                           "of one score per class, so that a reference's prediction can disagree with a label")
+        if not agree.any(): raise ValueError(f"{type(self).__name__}: the references disagree with every label; train longer references (`reference_epochs`)")
+        return agree.to(self.table.device), None
+
+@patch
+@delegates(DropMislabeledCallback)
+@by_keyword
+def drop_mislabeled(self:Learner, *, reference='crossfit', **kwargs):
+    "Leave out of every epoch the examples whose cross-fitted reference disagrees with their label (`DropMislabeledCallback`)"
+    return self._set_loss_filter(DropMislabeledCallback(reference=reference, **kwargs))
