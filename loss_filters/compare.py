@@ -14,7 +14,7 @@ from fastai.basics import Learner
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
 from .core import check_range, check_int
 from .base import LossFilterBase
-from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs,
+from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs, check_learner,
                                seeded_proxy, proxy_costs, control_specs, upgrade_run, BLIND)
 from .verdicts import summarise, add_verdicts, best_plain, knee_target
 from .report import (verdict_lines, seeds_text, metric_label, estimate_text, summary_text, summary_frame, full_text)
@@ -260,10 +260,14 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                    ) -> Comparison:
     "Train the plain model and every method from the same seeds on Learners from `make_learner`, beside training less and random choice at each method's share, count their work exactly, and judge each at `alpha`: `print` the result"
     specs = _method_specs(methods, make_proxy, add_baseline)
+    if 'seed' in kwargs and 'seeds' not in kwargs:
+        warnings.warn(f"`seed={kwargs['seed']!r}` is the first seed; how many seeds train is `seeds` (default {Design.__init__.__defaults__[1]}): "
+                      "pass `seeds=` if that is what you meant", stacklevel=2)
     design = _design(specs, kwargs)   # what trains, checked first: every fit, and the controls as they join
     epochs, seeds, seed, repeats, reference_seeds = design.epochs, design.seeds, design.seed, design.repeats, design.reference_seeds
     _check_settings(evals_per_epoch, check, score_cost, alpha, work, folder)
     metric, probe = _check_factory(make_learner, metric)
+    check_learner(probe, per_example=any(parse_method(s).filters for s in specs))   # on one batch, before the first fit trains
     check_executor(executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
     if target is None and not reference_seeds: target_drop = _target_drop(metric, target_drop, len(probe.dls.valid_ds))
     _warn_no_verdict(seeds, repeats, design.controls)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05b_plan.ipynb #9ebca8e9
 from __future__ import annotations
-import copy, multiprocessing, os, pickle, statistics, time, warnings
+import copy, multiprocessing, numbers, os, pickle, statistics, time, warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import NamedTuple
 import torch
@@ -28,9 +28,12 @@ class Fit(NamedTuple):
     def key(self) -> tuple: return (self.spec, self.seed, self.repeat)   # how saved runs are found again
 
 # %% ../nbs/05b_plan.ipynb #e689155f
-def budget_shares(budgets:str|list) -> list:
-    "The shares `budgets` holds, as the user spelled them (strings): `'.6 .8'` or `[.6, .8]` -> `['.6', '.8']` / `['0.6', '0.8']`"
-    return budgets.split() if isinstance(budgets, str) else [str(b) for b in budgets]
+def budget_shares(budgets:str|float|list) -> list:
+    "The shares `budgets` holds, as the user spelled them (strings): `'.6 .8'`, `[.6, .8]` or one number `.6` -> `['.6', '.8']` / `['0.6', '0.8']` / `['0.6']`"
+    if isinstance(budgets, str): return budgets.split()
+    if isinstance(budgets, numbers.Real) and not isinstance(budgets, bool): return [str(budgets)]
+    try: return [str(b) for b in budgets]
+    except TypeError: raise TypeError(f"`budgets` must be shares of the epochs: a string ('.6 .8 1.2'), a number or a list of numbers, got {budgets!r}") from None
 
 def budget_specs(epochs:int, fracs:str|list='.5 .6 .7 .8 .9') -> list:
     "The equal-compute control: the plain baseline on other one-cycle schedules, at these shares of `epochs` (above 1: longer, so the curve reaches past the full schedule)"
@@ -161,7 +164,7 @@ class Design:
     def settings(self) -> dict:
         "The design as plain data, as a comparison saves it (`budgets` as the user spelled them)"
         return dict(epochs=self.epochs, seeds=self.seeds, seed=self.seed, repeats=self.repeats, controls=self.controls, reference_seeds=self.reference_seeds,
-                    budgets=self.budgets if isinstance(self.budgets, str) else ' '.join(map(str, self.budgets)))
+                    budgets=self.budgets if isinstance(self.budgets, str) else ' '.join(budget_shares(self.budgets)))
 
     @property
     def others(self) -> list: return [p for p in self.plain if p not in self.specs]   # the plain schedules trained as controls

@@ -13,7 +13,7 @@ from fastai.basics import Callback, CancelFitException, CancelTrainException, se
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
 from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback, proxy_opt
-from .core import plain, frozen_norm_stats
+from .core import plain, frozen_norm_stats, per_sample_loss
 from .proxy import first_output
 from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, DropMislabeledCallback, plain_epoch_size
 
@@ -21,8 +21,8 @@ from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPrunin
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'is_plain_schedule', 'control_specs', 'work_slug', 'Method',
            'parse_method', 'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device',
            'fit_scored', 'reference_work', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule',
-           'seeded_proxy', 'upgrade_run', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'learner_score_cost',
-           'learner_proxy_cost', 'learner_flop_costs', 'proxy_costs']
+           'seeded_proxy', 'upgrade_run', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'check_learner',
+           'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs', 'proxy_costs']
 
 # %% ../nbs/05_runs.ipynb #dce50390
 _gn = dict(score='grad_norm')
@@ -347,6 +347,24 @@ def _train_batch(learn) -> tuple:
     "`(xb, yb)`: one training batch of `learn`, as plain tensors"
     b = learn.dls.train.one_batch()
     return plain(b[:learn.dls.n_inp]), plain(b[learn.dls.n_inp:])
+
+def check_learner(learn, # a Learner that will not train on (its model is moved to its loaders' device, as `fit` moves it)
+                  per_example:bool=True): # also check the loss gives one value per example, as every filter needs
+    "Before any fit trains, on one training batch: the model's weights exist and match the batch's precision, and (`per_example`) the loss gives one value per example; each in the package's words"
+    ps = list(learn.model.parameters())
+    if any(p.is_meta for p in ps):
+        raise ValueError("the Learner's model is on the meta device (its weights are not made yet): build it on a real device, or call "
+                         "`model.to_empty(device=...)` and initialise its weights")
+    learn.model.to(learn.dls.device)   # where `fit` puts it
+    xb, yb = _train_batch(learn)
+    x, w = (next((t for t in ts if isinstance(t, torch.Tensor) and t.is_floating_point()), None) for ts in (xb, ps))
+    if x is not None and w is not None and x.dtype != w.dtype:
+        raise TypeError(f"the Learner's model is in {w.dtype} but its batches' inputs are {x.dtype}: make them alike (`learn.model.float()`, "
+                        "or `learn.to_fp16()` for mixed precision) before comparing")
+    if not per_example: return
+    devs = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+    with torch.no_grad(), frozen_norm_stats(learn.model), torch.random.fork_rng(devices=devs): pred = first_output(learn.model(*xb))
+    per_sample_loss(learn.loss_func, plain(pred), *yb)   # a `TypeError` naming the loss when it cannot give one value per example
 
 def _timing(learn, *models) -> tuple:
     "A training batch of `learn` (plain tensors), and a timed training step for each of `models` (on the loaders' device, in training mode) with an optimizer made as the Learner's"

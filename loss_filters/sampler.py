@@ -201,7 +201,7 @@ class SamplerPruningCallback(LossFilterBase):
         self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
         self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
         if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
-        if not full and self.epoch > 0: self._warn_unvisited(known, world)
+        if not full and self.epoch > 0 and not self.prunes_first: self._warn_unvisited(known, world)   # a pruner from the first epoch never draws some
 
     def _warn_unvisited(self, known:Tensor, world:int):
         "Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` draws with replacement)"

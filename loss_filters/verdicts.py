@@ -9,9 +9,9 @@ from .runs import judged_method, time_to_target, work_slug, control_specs, BLIND
 from .stats import paired_test, curve_test, shown
 
 # %% auto #0
-__all__ = ['per_seed', 'default_drop', 'summarise', 'plain_curve', 'curve_at', 'curve_work', 'bend_room', 'random_points',
-           'alternative_work', 'equal_work', 'knee_target', 'best_plain', 'control_roles', 'seconds_unread',
-           'add_verdicts', 'payoff_test', 'payoff_word']
+__all__ = ['per_seed', 'default_drop', 'summarise', 'plain_curve', 'stop_at_best', 'curve_at', 'curve_work', 'bend_room',
+           'random_points', 'alternative_work', 'equal_work', 'knee_target', 'best_plain', 'control_roles',
+           'seconds_unread', 'add_verdicts', 'payoff_test', 'payoff_word']
 
 # %% ../nbs/06_verdicts.ipynb #6271835c
 def _med(xs):
@@ -98,7 +98,21 @@ def plain_curve(runs:list, # the runs of a comparison
     pts = sorted((statistics.fmean(w for w, _ in xs), statistics.fmean(a for _, a in xs), len(xs)) for xs in by.values())
     ss = sum(sum((a - statistics.fmean(b for _, b in xs)) ** 2 for _, a in xs) for xs in by.values())
     df = sum(len(xs) - 1 for xs in by.values())
-    return dict(points=_pava(pts), var=ss / df if df else 0., df=df)
+    var = ss / df if df else 0.
+    falls = _falls(pts, var, df)
+    return dict(points=_pava(stop_at_best(pts) if falls else pts), var=var, df=df, falls=falls)
+
+def stop_at_best(pts:list) -> list:
+    "Plain points `[(work, value, n)]` (sorted by work) as training less reads them: past the best schedule, its value (a user stops there)"
+    k = max(range(len(pts)), key=lambda i: pts[i][1])
+    return [tuple(p) for p in pts[:k + 1]] + [(w, pts[k][1], n) for w, _, n in pts[k + 1:]]
+
+def _falls(pts:list, var:float, df:int) -> bool:
+    "Whether the plain curve is shown to fall past its best schedule (wrong labels learned by heart): the longest ends more than two standard errors below the best"
+    k = max(range(len(pts)), key=lambda i: pts[i][1])
+    if k == len(pts) - 1 or not df: return False
+    (_, vk, nk), (_, vl, nl) = pts[k], pts[-1]
+    return vk - vl > 2 * math.sqrt(var * (1 / nk + 1 / nl))
 
 def _segment(xs:list, t:float) -> tuple|None:
     "`(i, f)`: `t` lies between `xs[i]` and `xs[i+1]` (sorted), a share `f` of the way; None outside their range (one rule for every curve read at a work)"
@@ -137,9 +151,10 @@ def _interp(curve:list, t:float) -> tuple:
     (i, f), (_, a0, s0), (_, a1, s1) = seg, curve[seg[0]], curve[seg[0] + 1]
     return a0 + (a1 - a0) * f, max(s0, s1)
 
-def _own_value(run:dict, runs:list, plain:list):
-    "The plain value at `run`'s work read off its own seed's plain runs (interpolated between two schedules); None where they do not span its work"
+def _own_value(run:dict, runs:list, plain:list, falls:bool=False):
+    "The plain value at `run`'s work read off its own seed's plain runs (interpolated between two schedules; past the seed's best, its best where the curve `falls`); None where they do not span its work"
     own = sorted((x['work'], x['final_metric'], 0.) for x in runs if _seed_repeat(x) == _seed_repeat(run) and x['method'] in plain and x.get('work') is not None)
+    if falls and own: own = stop_at_best(own)
     return _interp(own, run['work'])[0] if len(own) > 1 else None
 
 def random_points(runs:list) -> list:
@@ -180,8 +195,9 @@ def equal_work(runs:list, # the runs of a comparison
     work = statistics.fmean(r['work'] for r in ms)
     base, var = curve_at(curve, work)
     if base is None: return None   # the method's work lies outside the plain schedules' range: no curve to read there
-    paired = per_seed([(r.get('seed'), None if (c := _own_value(r, runs, plain)) is None else r['final_metric'] - c) for r in ms], ratio=False)
-    at_work = _paired_diffs(method, _run_of(same), runs) if same else [None]
+    falls = curve.get('falls', False)   # where longer schedules end lower, the plain model at the method's own work is no alternative: stopping sooner is
+    paired = per_seed([(r.get('seed'), None if (c := _own_value(r, runs, plain, falls)) is None else r['final_metric'] - c) for r in ms], ratio=False)
+    at_work = _paired_diffs(method, _run_of(same), runs) if same and not falls else [None]
     if at_work and None not in at_work: t, how = paired_test(at_work, alpha), 'same work'   # each seed against the plain model run at its own work
     elif None not in paired: t, how = paired_test(paired, alpha), 'paired'   # each seed against its own plain runs: the seed's luck cancels
     else:   # a seed without its own plain runs at that work: against the curve over every seed, its own error counted
