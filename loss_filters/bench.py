@@ -117,19 +117,20 @@ def _preset_target(pre:dict, data_name:str, epochs:int, lr:float, bs:int, n_trai
     return pre.get('target') if same else None
 
 @functools.lru_cache(maxsize=2)
-def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool) -> tuple:
+def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool, confusable:bool=False) -> tuple:
     "`(dls, name)` of the bench's data, loaded once per process for every fit that asks"
-    dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise)
+    dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise, **(dict(confusable=True) if confusable else {}))
     if augment: dls.train.after_batch = CropFlip(pad=2)
     return dls, name
 
 class BenchLearners:
     "The bench's `make_learner` (call it) and `make_proxy` (`.proxy(width)`) as one picklable object: each worker process loads the data once"
     def __init__(self, data:str, bs:int, n_train:int|None, n_valid:int|None, seed:int, label_noise:float=0., augment:bool=False, model:str='cnn',
-                 proxy_model:str|None=None): # the proxy's family, a bench model; None: the model's own
+                 proxy_model:str|None=None, # the proxy's family, a bench model; None: the model's own
+                 confusable:bool=False): # wrong labels only within the classes a person confuses
         store_attr()
     @property
-    def dls(self) -> DataLoaders: return _bench_dls(self.data, self.bs, self.n_train, self.n_valid, self.seed, self.label_noise, self.augment)[0]
+    def dls(self) -> DataLoaders: return _bench_dls(self.data, self.bs, self.n_train, self.n_valid, self.seed, self.label_noise, self.augment, self.confusable)[0]
     def __call__(self) -> Learner: return bench_learner(self.dls, self.model)
     def proxy(self, width:float) -> nn.Module: return make_model(self.proxy_model or self.model, self.dls, width)
 
@@ -159,6 +160,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
          proxy_model:str=None, # the family of a method's proxy (`proxy=` its width share): one of the models; default: the model's own
          augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
          label_noise:float=None, # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean); default: the preset's (0 but in `noisy`)
+         confusable:bool=False, # with `label_noise`: change only the labels of classes a person confuses (Fashion-MNIST's T-shirt/top, pullover and shirt), each to another of them
          quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
          resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
          alpha:float=.05, # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
@@ -181,8 +183,9 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
         if v not in MODELS: raise ValueError(f"`{k}` must be one of {', '.join(MODELS)}, got {v!r}")
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
     check_int('jobs', jobs, 1)
-    dls, data_name = _bench_dls(data, bs, n_train or None, n_valid or None, seed, label_noise, augment)
-    make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model, proxy_model)   # the same data in every worker
+    if confusable and not label_noise: raise ValueError("`confusable` says which labels `label_noise` changes: pass a `label_noise` above 0 with it")
+    dls, data_name = _bench_dls(data, bs, n_train or None, n_valid or None, seed, label_noise, augment, confusable)
+    make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model, proxy_model, confusable)   # the same data in every worker
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     if probe_cost: return _probe_cost(dls, data_name, model, seed, out, max(repeats, 3))
     threads = cores_each(jobs) if jobs > 1 else torch.get_num_threads()
@@ -190,10 +193,10 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
           f"{' (crop and flip)' if augment else ''}, bs={bs}, "
           f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, "
           + (f"{jobs} fits at a time, {threads} torch thread(s) each" if jobs > 1 else f"torch threads={threads}")
-          + (f", {label_noise:.0%} of the training labels wrong" if label_noise else ''))
+          + (f", {label_noise:.0%} of the training labels wrong" + (' (within classes a person confuses)' if confusable else '') if label_noise else ''))
     if target is None and not reference_seeds: target = _preset_target(pre, data_name, epochs, lr, bs, n_train, augment, label_noise, model)
     saved_cost = _check_resume(out, dict(data=data_name, model=model, proxy_model=proxy_model or model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
-                                         augment=augment, label_noise=label_noise, seed=seed), resume)   # `seed` draws the split and the subsets
+                                         augment=augment, label_noise=label_noise, seed=seed) | (dict(confusable=True) if confusable else {}), resume)   # `seed` draws the split and the subsets
     cost = saved_cost if saved_cost is not None else score_cost   # None: `compare_filters` counts it (and times it beside)
     def announce(s, sd, rep, kind): print(f"== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
     with (fit_executor(jobs, threads) if jobs > 1 else contextlib.nullcontext()) as ex:
@@ -210,7 +213,7 @@ def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MN
               and c.select is not LossFilterCallback.select]
     prof = {s: profile_step(dls, s, model=model, proxy_model=proxy_model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
     res = cmp.results(data=data_name, model=model, proxy_model=proxy_model or model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
-                      label_noise=label_noise, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
+                      label_noise=label_noise, confusable=confusable, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
                       score_cost=cost, work=st.get('work'), profile=prof)
     paths = cmp.save(out, res)   # the results made once, written as they are returned
     kept = kept_figure(runs)   # `cmp.save` wrote the metric against work and seconds; the share kept per batch and each filter's diagnostics besides

@@ -16,10 +16,10 @@ from .core import check_range, check_int
 from .base import LossFilterBase
 from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs, check_learner,
                                seeded_proxy, proxy_costs, control_specs, upgrade_run, BLIND)
-from .verdicts import summarise, add_verdicts, best_plain, knee_target
+from .verdicts import summarise, add_verdicts, best_plain, knee_target, seconds_unread
 from .report import (verdict_lines, seeds_text, metric_label, estimate_text, summary_text, summary_frame, full_text)
 from .plots import budget_figure, time_figure, save_figure, plot_colors
-from .plan import Fit, Design, found_controls, run_plan, train_fit, check_executor, default_threads, executor_workers
+from .plan import Fit, Design, found_controls, run_plan, train_fit, check_executor, default_threads, executor_workers, near_saved, InlineExecutor
 
 # %% auto #0
 __all__ = ['Comparison', 'machine_info', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
@@ -64,8 +64,10 @@ class Comparison:
     def plot(self):
         "One figure: the metric against work over the budget curve (with the controls), and against training seconds; `plt.savefig` after it saves both"
         import matplotlib.pyplot as plt
-        fig, axs = plt.subplots(2 if self.budgets else 1, 1, figsize=(10, 9 if self.budgets else 4.5), squeeze=False)
-        for f, ax in zip(self._figures(), axs[:, 0]): f(ax=ax)
+        figs = self._figures()
+        fig, axs = plt.subplots(max(1, len(figs)), 1, figsize=(10, 4.5 * max(1, len(figs))), squeeze=False)
+        for (f, _), ax in zip(figs, axs[:, 0]): f(ax=ax)
+        if not figs: axs[0, 0].text(.5, .5, 'no plain schedule, and seconds not read', ha='center', va='center', transform=axs[0, 0].transAxes)
         src = {'reference': 'fixed from reference seeds', 'given': 'given', 'judged runs': 'set from the judged runs'}[self._target_from()]
         fig.suptitle(f"{metric_label(self.metric)}: {seeds_text(self.settings['seeds'])}; the target {self.target_value:.4f}, {src}", fontsize=10)
         fig.tight_layout()
@@ -84,15 +86,15 @@ class Comparison:
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
         (folder / 'results.json').write_text(json.dumps(self.results(**more) if results is None else results, indent=1))
         (folder / 'summary.txt').write_text(full_text(self) + '\n')
-        names = (['accuracy_vs_budget.png'] if self.budgets else []) + ['accuracy_vs_time.png']
-        return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in zip(self._figures(), names)]
+        for n in ('accuracy_vs_budget.png', 'accuracy_vs_time.png'): (folder / n).unlink(missing_ok=True)   # no stale figure of an earlier save
+        return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in self._figures()]
 
     def _figures(self) -> list:
-        "The figures' makers, `f(ax=None)`: over the plain curve (with budgets) and against time, in one colour per method and its controls"
+        "The figures' makers and file names, `(f(ax=None), name)`: over the plain curve (with budgets) and, where seconds are read (`seconds_unread`), against time; one colour per method and its controls"
         col = plot_colors([r['method'] for r in self.rows], self.control_of)
         budget = lambda ax=None: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=ax, target=self.target, colors=col)
         timed = lambda ax=None: time_figure(self.runs, self.target, self.metric, self.sign, ax=ax, colors=col, controls=control_specs(self.control_of))
-        return ([budget] if self.budgets else []) + [timed]
+        return ([(budget, 'accuracy_vs_budget.png')] if self.budgets else []) + ([] if seconds_unread(self.runs) else [(timed, 'accuracy_vs_time.png')])
 
     def __repr__(self): return summary_text(self)
 
@@ -219,7 +221,20 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
     settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
     if score_cost is not None: settings |= dict(score_cost=score_cost, work=settings.get('work', 'recounted'))
     budgets, control_of = found_controls(runs)
+    runs, orphans = _without_orphans(runs, budgets, control_of, settings.get('methods'))
+    if orphans: settings |= dict(orphans=orphans)
     return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
+
+def _without_orphans(runs:list, budgets:list, control_of:dict, methods:list|None) -> tuple:
+    "`(runs, orphans)`: the runs less those of controls no method asks for now (a resume at other shares left them), and their names; never judged as methods"
+    keep = {'baseline', *budgets, *control_specs(control_of), *control_of}
+    def orphan(n:str) -> bool:
+        if n in keep: return False
+        if methods: return n not in methods   # the comparison's own methods, as saved beside its runs
+        m = judged_method(n)
+        return bool(m.at_work_of or m.reach_of)   # a control of a method's own work: never a method of its own
+    orphans = sorted({r['method'] for r in runs if orphan(r['method'])})
+    return [r for r in runs if r['method'] not in orphans], orphans
 
 def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict, what:str='proxy') -> dict|None:
     "The costs of `run`'s proxy (by its `proxy=` width), or of its references (`what='ref_width'`), from `proxy_cost` or the saved settings"
@@ -279,13 +294,18 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     settings |= _work_costs(probe, settings, saved, _proxy_widths(specs), make_proxy, seed)
     _save_settings(folder, settings)
     del probe
+    threads, inline = threads or default_threads(executor), executor is None or isinstance(executor, InlineExecutor)
+    if inline and threads: print(f"compare_filters: fits train here one after another on {threads} torch thread(s), as a pool's single worker would; "
+                                 "`threads=` sets it (on a machine other work shares, 1 is often fastest)")
     train = partial(train_fit, make_learner, epochs=epochs, lr=lr, fit=fit, metric=metric, sign=sign, evals_per_epoch=evals_per_epoch, check=check,
-                    show_progress=show_fits, cbs=cbs, make_proxy=make_proxy, threads=threads or default_threads(executor),
-                    warmup=warmup and not done)
+                    show_progress=show_fits, cbs=cbs, make_proxy=make_proxy, threads=threads, warmup=warmup and not done)
+    user_threads = torch.get_num_threads()   # given back after the fits here, however they end
     ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(executor), show_progress and not show_fits, on_run)
-    results = run_plan(design.fits(), train, executor, done, design.then,
-                       on_submit=ledger.submitted, on_result=ledger.finished, twin=design.twin,
-                       fit_kwargs=partial(_diagnostics_of, folder=folder if diagnostics else None, seed=seed))
+    try:
+        results = run_plan(design.fits(), train, executor, done, design.then, reuse=partial(near_saved, saved=done) if done else None,
+                           on_submit=ledger.submitted, on_result=ledger.finished, twin=design.twin,
+                           fit_kwargs=partial(_diagnostics_of, folder=folder if diagnostics else None, seed=seed))
+    finally: torch.set_num_threads(user_threads)
     ledger.close()
     runs, refs, plain, control_of = design.ordered(results)
     if refs and target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
@@ -340,7 +360,8 @@ class _Ledger:
     def finished(self, f:Fit, run:dict) -> dict:
         st = self.settings
         m = parse_method(f.spec)
-        run = add_work(run | dict(seed=f.seed, repeat=f.repeat, sitting=self.sitting, workers=self.workers), st['score_cost'],
+        sitting = run['sitting'] if run.get('reused_from') else self.sitting   # a saved run reused on resuming keeps the sitting it trained in
+        run = add_work(run | dict(seed=f.seed, repeat=f.repeat, sitting=sitting, workers=run.get('workers', self.workers) if run.get('reused_from') else self.workers), st['score_cost'],
                        st['proxy_cost'].get(str(m.proxy)), st['proxy_cost'].get(str(m.ref_width)))   # `sitting`: runs of one call, interleaved, share the machine's load
         if f.kind == 'reference': run['reference'] = True   # saved as such: never judged, on resuming too
         if self.folder is not None:

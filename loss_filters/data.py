@@ -15,10 +15,10 @@ from fastai.data.core import DataLoaders
 from .core import check_range, check_int
 
 # %% auto #0
-__all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'DATASETS', 'CIFAR_CLASSES', 'CIFAR10_SETTINGS', 'IdxFormatError',
-           'read_idx', 'write_idx', 'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist', 'TensorSet',
-           'TensorDL', 'tensor_dls', 'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls', 'load_dls',
-           'cifar10_dls', 'make_cifar_like', 'cifar10_setting']
+__all__ = ['FASHION_FILES', 'FASHION_URL', 'DEBIAN_FASHION', 'CONFUSABLE', 'DATASETS', 'CIFAR_CLASSES', 'CIFAR10_SETTINGS',
+           'IdxFormatError', 'read_idx', 'write_idx', 'fastai_data_dir', 'download_fashion_mnist', 'find_fashion_mnist',
+           'TensorSet', 'TensorDL', 'tensor_dls', 'CropFlip', 'noisy_labels', 'fashion_mnist_dls', 'digits_dls',
+           'load_dls', 'cifar10_dls', 'make_cifar_like', 'cifar10_setting']
 
 # %% ../nbs/04a_data.ipynb #9ea389b7
 class IdxFormatError(ValueError):
@@ -210,9 +210,11 @@ def _subset(x, y, n, seed):
 def noisy_labels(y:Tensor, # class labels
                  share:float, # share of the labels to change, in [0, 1)
                  c:int|None=None, # number of classes; default: `y.max()+1`
-                 seed:int=0) -> Tensor:
-    "A copy of `y` where a random `share` of the labels is changed to another class, drawn uniformly (the rest are kept)"
+                 seed:int=0,
+                 among:tuple|None=None) -> Tensor: # groups of classes a person confuses (`CONFUSABLE`): only their labels change, each to another of its group
+    "A copy of `y` where a random `share` of the labels is changed to another class, drawn uniformly (the rest are kept); with `among`, a share of each group's labels to another class of that group"
     check_range('label_noise', share, 0, 1, hi_open=True)   # named as the loaders and `lf_bench` call it
+    if among is not None: return _confused(y, share, among, seed)
     c = int(y.max()) + 1 if c is None else c
     g = torch.Generator().manual_seed(seed)
     idx = torch.randperm(len(y), generator=g)[:round(share * len(y))]
@@ -220,26 +222,42 @@ def noisy_labels(y:Tensor, # class labels
     y[idx] = (y[idx] + torch.randint(1, c, (len(idx),), generator=g)) % c   # a shift of 1..c-1: always a wrong class
     return y
 
-def _image_dls(x, y, xv, yv, bs, n_train, n_valid, seed, device, label_noise=0.):
+CONFUSABLE = dict(fashion_mnist=((0, 2, 6),), digits=((3, 5, 8),))   # T-shirt/top, pullover and shirt; the digits 3, 5 and 8
+
+def _confused(y:Tensor, share:float, among:tuple, seed:int) -> Tensor:
+    "A share of the labels of each group's classes changed to another class of the group, drawn uniformly"
+    g, y0, y = torch.Generator().manual_seed(seed), y, y.clone()
+    for group in among:
+        cls = torch.tensor(group)
+        idx = torch.isin(y0, cls).nonzero().squeeze(1)
+        idx = idx[torch.randperm(len(idx), generator=g)[:round(share * len(idx))]]
+        pos = (y0[idx, None] == cls).long().argmax(1)   # each label's place in its group
+        y[idx] = cls[(pos + torch.randint(1, len(group), (len(idx),), generator=g)) % len(group)]
+    return y
+
+def _image_dls(x, y, xv, yv, bs, n_train, n_valid, seed, device, label_noise=0., among=None):
     x, y = _subset(x, y, n_train, seed)
-    if label_noise: y = noisy_labels(y, label_noise, int(max(y.max(), yv.max())) + 1, seed)
+    if label_noise: y = noisy_labels(y, label_noise, int(max(y.max(), yv.max())) + 1, seed, among)
     xv, yv = _subset(xv, yv, n_valid, seed + 1)
     mean, std = x.mean(), x.std()
     return tensor_dls((x - mean) / std, y, (xv - mean) / std, yv, bs=bs, device=device)
 
 def fashion_mnist_dls(path:str|Path|None=None, # folder with the idx files; default: `find_fashion_mnist`
                       bs:int=256, n_train:int|None=None, n_valid:int|None=None, seed:int=0, device=None,
-                      label_noise:float=0. # share of training labels changed to a wrong class (validation stays clean)
+                      label_noise:float=0., # share of training labels changed to a wrong class (validation stays clean)
+                      confusable:bool=False # change only the labels of classes a person confuses, within their group (`CONFUSABLE`)
                      ) -> DataLoaders:
     "Fashion-MNIST (60,000 training, 10,000 test images of 28x28) as in-memory `DataLoaders`"
     _check_image_args(bs, n_train, n_valid, label_noise)
     d = find_fashion_mnist(path)
     a = {k: torch.from_numpy(read_idx(d / f).copy()) for k, f in FASHION_FILES.items()}
     img = lambda t: t.float().div_(255.)[:, None]
-    return _image_dls(img(a['x_train']), a['y_train'].long(), img(a['x_valid']), a['y_valid'].long(), bs, n_train, n_valid, seed, device, label_noise)
+    return _image_dls(img(a['x_train']), a['y_train'].long(), img(a['x_valid']), a['y_valid'].long(), bs, n_train, n_valid, seed, device, label_noise,
+                      CONFUSABLE['fashion_mnist'] if confusable else None)
 
 def digits_dls(bs:int=64, valid_pct:float=.2, n_train:int|None=None, n_valid:int|None=None, seed:int=0, device=None,
-               label_noise:float=0. # share of training labels changed to a wrong class (validation stays clean)
+               label_noise:float=0., # share of training labels changed to a wrong class (validation stays clean)
+               confusable:bool=False # change only the labels of digits a person confuses, within their group (`CONFUSABLE`)
               ) -> DataLoaders:
     "scikit-learn's bundled digits (1,797 images of 8x8), split at random with `seed`"
     _check_image_args(bs, n_train, n_valid, label_noise)
@@ -250,7 +268,8 @@ def digits_dls(bs:int=64, valid_pct:float=.2, n_train:int|None=None, n_valid:int
     idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     cut = int(len(y) * (1 - valid_pct))
     if not 0 < cut < len(y): raise ValueError(f"`valid_pct={valid_pct}` leaves {'no training' if cut < 1 else 'no validation'} image of the {len(y)}")
-    return _image_dls(x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]], bs, n_train, n_valid, seed, device, label_noise)
+    return _image_dls(x[idx[:cut]], y[idx[:cut]], x[idx[cut:]], y[idx[cut:]], bs, n_train, n_valid, seed, device, label_noise,
+                      CONFUSABLE['digits'] if confusable else None)
 
 # %% ../nbs/04a_data.ipynb #e779332c
 DATASETS = ('auto', 'fashion_mnist', 'digits')   # what `load_dls` loads

@@ -15,10 +15,10 @@ from .sampler import SamplerPruningCallback, RandomPruningCallback
 from .runs import run_fit, StopAfter, judged_method, parse_method, work_slug, RetiredMethod, control_specs, is_plain_schedule, BLIND
 
 # %% auto #0
-__all__ = ['Fit', 'budget_shares', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls', 'same_work_of',
-           'rate_control', 'self_scored_control', 'controls_of', 'found_controls', 'Design', 'InlineExecutor',
-           'cores_each', 'fit_executor', 'executor_workers', 'default_threads', 'check_executor', 'train_fit',
-           'run_plan']
+__all__ = ['RESUME_SHARE', 'Fit', 'budget_shares', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls',
+           'same_work_of', 'rate_control', 'self_scored_control', 'controls_of', 'found_controls', 'Design',
+           'InlineExecutor', 'cores_each', 'fit_executor', 'executor_workers', 'default_threads', 'check_executor',
+           'train_fit', 'near_saved', 'run_plan']
 
 # %% ../nbs/05b_plan.ipynb #3b303b18
 class Fit(NamedTuple):
@@ -114,6 +114,14 @@ def _like(name:str, spec:str) -> bool:
     a, b = judged_method(name), judged_method(spec)
     return a.cls is b.cls and a.run == b.run and {k: v for k, v in a.kw.items() if k != 'keep'} == {k: v for k, v in b.kw.items() if k != 'keep'}
 
+def _nearest(names:list, keep:float) -> list:
+    "Of controls alike but for their share (a resume that asked again at a share shifted by more seeds), the one nearest `keep`"
+    groups = {}
+    for n in names:
+        m = judged_method(n)
+        groups.setdefault((m.cls, tuple(sorted(m.run.items())), tuple(sorted((k, v) for k, v in m.kw.items() if k != 'keep'))), []).append(n)
+    return [min(g, key=lambda n: abs(float(judged_method(n).kw.get('keep', keep)) - keep)) for g in groups.values()]
+
 def found_controls(runs:list) -> tuple:
     "`(plain schedules, each method's controls)` among saved `runs`, chosen again as `Design` chose them: the other plain schedules are the runs `is_plain_schedule` finds"
     names = list(dict.fromkeys(r['method'] for r in runs))
@@ -121,6 +129,8 @@ def found_controls(runs:list) -> tuple:
     def found(m):
         cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
         at_work = [n for n in names if work_slug(m) in (judged_method(n).run.get('same_work'), judged_method(n).run.get('reach'))]   # its plain and random runs at its own work, and past it
+        rs = [r for r in runs if r['method'] == m and r.get('work') is not None and r.get('epochs')]
+        if rs: at_work = [n for n in at_work if n in _nearest(at_work, statistics.fmean(r['work'] / r['epochs'] for r in rs))]
         if not any(judged_method(c).name in BLIND for c in cs):   # runs saved without the kept shares: the random control on the same settings
             spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
             like = [n for n in names if spec and _like(n, spec)]
@@ -245,8 +255,8 @@ def executor_workers(executor) -> int:
     return getattr(executor, 'max_workers', None) or getattr(executor, '_max_workers', None) or 1
 
 def default_threads(executor) -> int|None:
-    "Compute threads for each fit on `executor`: the cores shared out over a local pool's workers; None (leave torch's own) inline or where the pool's size is unknown"
-    if executor is None or isinstance(executor, InlineExecutor): return None
+    "Compute threads for each fit on `executor`: the cores shared out over a local pool's workers, all of them inline (as a pool of one worker has them); None where the pool's size is unknown"
+    if executor is None or isinstance(executor, InlineExecutor): return cores_each(1)
     n = getattr(executor, '_max_workers', None)
     return cores_each(n) if n else None
 
@@ -282,6 +292,19 @@ def train_fit(make_learner, spec:str, seed:int, threads:int|None=None, warmup:bo
     r = run_fit(make_learner, spec, seed=seed, **kwargs)
     return r | dict(fit_s=time.perf_counter() - t0, threads=torch.get_num_threads())   # the threads it trained on: its seconds are read beside runs of the same
 
+RESUME_SHARE = .01   # on resuming, a saved control at a share this close to the one asked for stands for it: its fit differs by a point of each batch at most
+
+def near_saved(fit:Fit, # a fit about to train
+               saved:dict # saved runs by `Fit.key`
+              ) -> dict|None:
+    "A saved run that the control `fit` can reuse: random choice on the same seed, repeat and settings, at a share within `RESUME_SHARE` (the shares a method kept shift a little as seeds are added); None else"
+    m = judged_method(fit.spec)
+    if fit.kind != 'control' or 'keep' not in m.kw: return None
+    near = [(abs(float(judged_method(s).kw['keep']) - float(m.kw['keep'])), run) for (s, sd, rep), run in saved.items()
+            if (sd, rep) == (fit.seed, fit.repeat) and s != fit.spec and 'keep' in judged_method(s).kw and _like(s, fit.spec)]
+    near = [x for x in near if x[0] <= RESUME_SHARE + 1e-12]
+    return min(near, key=lambda x: x[0])[1] | dict(reused_from=min(near, key=lambda x: x[0])[1]['method']) if near else None
+
 def run_plan(plan:list, # the `Fit`s known now
              train, # `train(spec, seed)` -> the run: picklable for an executor of processes
              executor=None, # runs the fits: anything with `submit(fn, *args)` returning `.result()` and `.done()`; None: `InlineExecutor`
@@ -291,6 +314,7 @@ def run_plan(plan:list, # the `Fit`s known now
              fit_kwargs=None, # `fit_kwargs(fit)` -> more keyword arguments of `train` for this fit
              on_result=None, # `on_result(fit, run) -> run` in this process as each trained run comes back (in the order they finish): what to keep of it
              twin=None, # `twin(fit)` -> a key or None: the fits of one key train alike, so the first trains and each other one takes a copy of its run, its `method` set to its own spec
+             reuse=None, # `reuse(fit)` -> a saved run that stands for `fit` (`near_saved`), or None: it is kept under the fit's name instead of training
              poll:float=.05 # seconds between looks at running fits
             ) -> dict:
     "Train every fit of `plan` (and those `then` adds) not in `done` on `executor`; every run by `Fit.key`, the saved ones included"
@@ -319,6 +343,7 @@ def run_plan(plan:list, # the `Fit`s known now
                 if f.key in seen: continue
                 seen.add(f.key)
                 if f.key in results: follow(f); continue
+                if reuse is not None and (old := reuse(f)) is not None: copy_to(f, old); continue
                 k = twin(f)
                 if k in trained:   # its twin trained here, or trains now
                     if trained[k] is None: waiting.setdefault(k, []).append(f)

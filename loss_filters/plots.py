@@ -6,8 +6,9 @@
 from __future__ import annotations
 import math
 from pathlib import Path
-from .runs import judged_method, control_specs, is_plain_schedule
-from .report import metric_label, short_label
+from .runs import judged_method, control_specs, is_plain_schedule, BLIND
+from .verdicts import control_roles, payoff_word
+from .report import metric_label, short_label, ci_level
 
 # %% auto #0
 __all__ = ['plot_colors', 'plain_markers', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure', 'plot_results',
@@ -69,27 +70,32 @@ def budget_figure(rows:list, # the summary rows
                   ax=None, # draw on these axes; default a new figure
                   target:float|None=None, # the oriented target, drawn as a line
                   colors:dict|None=None): # method -> colour (`plot_colors`); the same in every panel
-    "Final value against work (plain epochs): the plain model's curve over its schedules, every method and control over it (controls hollow, in their method's colour), the median over seeds with its range"
+    "Final value against work (plain epochs): the two alternatives as curves (the plain model's schedules, random choice at every share run), each method as a point with the interval its test at equal work uses, and the two controls its verdict rests on (the plain model and random choice at its work, told apart by shape)"
+    from matplotlib.lines import Line2D
     ax, label = _axes(ax, (9, 4.5)), metric_label(label)
     col = colors or plot_colors([r['method'] for r in rows], control_of)
-    curve = sorted((r['work'], sign * r['final_metric']) for r in rows if r['method'] in [*budgets, 'baseline'])
-    ax.plot(*zip(*curve), '-', color='black', lw=1, label='plain model, its schedules')
-    mk = plain_markers(budgets)
-    for r in rows:
-        if r['method'] in [*budgets, 'baseline']:
-            ax.plot(r['work'], sign * r['final_metric'], mk.get(r['method'], 'o'), color=col.get(r['method'], 'grey'), ms=6, label=short_label(r['method']))
+    by, plain = {r['method']: r for r in rows}, [*budgets, 'baseline']
+    pts = lambda names: sorted((by[m]['work'], sign * by[m]['final_metric']) for m in names if m in by and by[m].get('work') is not None)
+    curve, rand = pts(plain), pts([m for m in by if judged_method(m).name in BLIND])
+    ax.plot(*zip(*curve), 'o-', color='black', lw=1.2, ms=5, label='plain model, its schedules (training less)')
+    if rand: ax.plot(*zip(*rand), 'x--', color='grey', lw=1, ms=5, label='random choice at every share run (a smaller batch)')
     controls = control_specs(control_of)
-    others = [r for r in rows if r['method'] not in [*budgets, 'baseline']]
-    span = (max(w for w, _ in curve) - min(w for w, _ in curve)) or 1.
-    xs = _spread_x([r['work'] for r in others], span / 80)   # two controls at the same work side by side, not on top of each other
-    for x, r in zip(xs, others):
-        c = col.get(r['method'], 'grey')
-        ax.errorbar(x, sign * r['final_metric'], yerr=(r.get('final_metric_spread') or 0) / 2, fmt='s' if r['method'] in controls else 'o', ms=6, capsize=2,
-                    mfc='none' if r['method'] in controls else c, color=c, label=short_label(r['method']) + (' (control)' if r['method'] in controls else ''))
+    for m, r in by.items():
+        if m in plain or m in controls or r.get('work') is None: continue
+        c, v, y = col.get(m, 'grey'), r.get('at_work'), sign * r['final_metric']
+        err = [[max(0., v['diff'] - v['lo'])], [max(0., v['hi'] - v['diff'])]] if v and v.get('lo') is not None else None   # the test's interval, around the method's value
+        ax.errorbar(r['work'], y, yerr=err, fmt='o', ms=7, capsize=3, color=c, label=f"{m}: {payoff_word(r, bool(budgets))}")
+        roles = control_roles(m, control_of.get(m, []))
+        for role, shape in (('same_plain', 's'), ('same_random', '^')):
+            if (cr := by.get(roles.get(role))) is not None and cr.get('work') is not None:
+                ax.plot(cr['work'], sign * cr['final_metric'], shape, ms=7, mfc='none', color=c)
     if target is not None: ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
+    h, l = ax.get_legend_handles_labels()
+    h += [Line2D([], [], ls='', marker='s', mfc='none', color='black'), Line2D([], [], ls='', marker='^', mfc='none', color='black')]
+    l += ["the plain model at a method's work (its colour)", "random choice at a method's work (its colour)"]
     ax.set(xlabel='work (plain epochs: examples trained, and scored at their cost)', ylabel=f'final {label} (median over seeds)',
-           title='Final value against work, over the plain curve (bars: the range over seeds)')
-    _legend_outside(ax); ax.figure.tight_layout()
+           title=f'Final value against work (bars: the {ci_level(rows)}% interval of the test at equal work)')
+    ax.legend(h, l, fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False); ax.figure.tight_layout()
     return ax.figure
 
 def _median_curve(rs:list, sign:int) -> tuple:
@@ -107,10 +113,10 @@ def time_figure(runs:list, # the runs
                 ax=None, # draw on these axes; default a new figure
                 colors:dict|None=None, # method -> colour (`plot_colors`); the same in every panel
                 controls:list|None=None): # the controls' names: drawn dashed
-    "The metric at every check against training seconds, one line a method (the median over its seeds), and the target"
+    "The metric at every check against training seconds, one line for each method and each plain schedule (the median over its seeds; the controls are in the table), and the target"
     ax, label, controls = _axes(ax, (9, 4.5)), metric_label(label), controls or []
     col, mk = colors or plot_colors([r['method'] for r in runs]), plain_markers([r['method'] for r in runs if r['method'] not in controls])
-    for m in dict.fromkeys(r['method'] for r in runs):
+    for m in dict.fromkeys(r['method'] for r in runs if r['method'] not in controls):
         ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), mk.get(m, 'o') + ('--' if m in controls else '-'), color=col.get(m, 'grey'),
                 label=short_label(m), ms=3, lw=1.2, mfc='none' if m in controls else None)
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')

@@ -11,10 +11,10 @@ from .verdicts import payoff_test, payoff_word
 
 # %% auto #0
 __all__ = ['mult_text', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'points_text', 'seeds_text', 'equal_work_text',
-           'bend_text', 'target_text', 'no_verdict_text', 'payoff_line', 'target_cell', 'method_note', 'verdict_lines',
-           'ci_level', 'table_columns', 'format_table', 'metric_label', 'short_label', 'text_table', 'estimate_text',
-           'judged_rows', 'seconds_cell', 'work_unit', 'summary_text', 'brief_table', 'payoff_lines', 'full_text',
-           'summary_frame']
+           'bend_text', 'target_text', 'no_verdict_text', 'payoff_line', 'target_cell', 'paid_text', 'method_note',
+           'verdict_lines', 'ci_level', 'table_columns', 'format_table', 'metric_label', 'short_label', 'text_table',
+           'estimate_text', 'judged_rows', 'seconds_cell', 'work_unit', 'summary_text', 'brief_table', 'payoff_lines',
+           'full_text', 'summary_frame']
 
 # %% ../nbs/06a_report.ipynb #3f42f049
 def mult_text(x:float|None, censored:str|None=None) -> str:
@@ -139,11 +139,18 @@ def _random_note(v:dict, unit:str, pays:bool=False, at:str='at its share') -> st
     if v['verdict'] == 'loses': return f"below random choice {at} ({d}): its choice of examples does worse than chance"
     return f"not shown above random choice {at} ({d}, {v['verdict']})"
 
+def paid_text(r:dict) -> str|None:
+    "What the method cost against the plain model's full schedule, medians over seeds: `'used 1.10x its work and 1.21x its seconds'`; None without that schedule"
+    p = r.get('vs_full')
+    if not p or p.get('work') is None: return None
+    return (f"used {p['work']:.2f}x the plain model's work" + (f" and {p['seconds']:.2f}x its seconds" if p.get('seconds') else " (seconds not read)")
+            + " (its full schedule, medians)")
+
 def method_note(r:dict, has_budgets:bool=True) -> str:
     "One line on a method beside the verdict table: why it has no verdict, or what its controls add (random choice, the model scoring itself, the plain model) and the seeds a gain of its size needs"
     m, unit, a, word = r['method'], r.get('unit', 'points'), r.get('alpha', .05), payoff_word(r, has_budgets)
-    if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}"
-    v, notes = r['at_work'], []
+    if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}" + (f"; {c}" if (c := paid_text(r)) else '')
+    v, notes = r['at_work'], [c] if (c := paid_text(r)) else []
     if word != 'pays' and (why := _batch_note(r)): notes.append(f"above training less at its work ({diff_text(v['diff'], unit)}), {why}")
     elif r.get('vs_random_work'): notes.append(_random_note(r['vs_random_work'], unit, word == 'pays', 'at equal work'))
     elif r.get('vs_random'): notes.append(_random_note(r['vs_random'], unit, word == 'pays'))
@@ -156,8 +163,9 @@ def method_note(r:dict, has_budgets:bool=True) -> str:
                      + (f" over {rm.run['epochs']} epochs" if 'epochs' in rm.run else ''))
     if r.get('vs_self'): notes.append(f"{points_text(r['vs_self'], 'the same filter scored by the model itself', unit)}")
     if (p := r.get('vs_plain')) and p.get('holds') is not None:
-        notes.append(f"{diff_text(p['diff'], unit)} against the plain model's full schedule: {'shown' if p['holds'] else 'not shown'} to end no more "
-                     f"than {diff_text(p['margin'], unit).lstrip('+')} below it")
+        m_ = diff_text(p['margin'], unit).lstrip('+')
+        notes.append(f"ends {diff_text(p['diff'], unit)} from the plain model's full schedule ("
+                     + (f"the test rules out ending more than {m_} below it)" if p['holds'] else f"the test cannot rule out ending more than {m_} below it)"))
     if plan := _seeds_plan(r, word): notes.append(plan[2:])
     return f"{m}: " + ('; '.join(notes) if notes else f"{word} at {pct_text(a)}")
 
@@ -214,7 +222,7 @@ def table_columns(rows:list, metric:str='accuracy') -> list:
 def format_table(rows:list, metric:str='accuracy', sign:int=1) -> str:
     "The summary as a plain-text table: medians with `±spread` (max - min) over runs; `_x` ratios as geometric means; `_ciNN`: NN% t intervals over seeds; `reached`: runs that reached the target; accuracy verdicts in points with the test's word"
     def cell(r, k, f):
-        if k == 'method': return r[k] + (' [never filtered]' if r.get('never_filtered') else '')
+        if k == 'method': return short_label(r[k]) + (' [never filtered]' if r.get('never_filtered') else '')   # a control by its short name
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
         if k in ('at_work', 'vs_random'):   # points, then the verdict of the test
             return f"{diff_text(r[k]['diff'], r.get('unit', 'points')).split()[0]} {r[k]['verdict']}" if r.get(k) else '-'
@@ -284,10 +292,9 @@ def _interval(v:dict|None, unit:str) -> str:
     return _num(v['diff'], unit) + (f" ({_num(v['lo'], unit)} to {_num(v['hi'], unit)})" if v.get('lo') is not None else '')
 
 def _needs(v:dict|None) -> str:
-    "What the better simple alternative needs to match the method, with its interval: `'1.40x (1.26x to 1.57x)'`"
+    "What the better simple alternative needs to match the method, its estimate alone (`'1.40x'`): the headline keeps one interval, the one the verdict's test uses (at equal work); `cmp.table` has this one's"
     if not v or v.get('best_x') is None: return 'not read'
-    return mult_text(v['best_x'], v['best_x_censored']) + (
-        f" ({mult_text(v['best_x_lo'], v['best_x_lo_censored'])} to {mult_text(v['best_x_hi'], v['best_x_hi_censored'])})" if v.get('best_x_lo') is not None else '')
+    return mult_text(v['best_x'], v['best_x_censored'])
 
 _WORK_UNITS = dict(flops='FLOPs', time='measured step times', recounted='the scoring costs given to `load_comparison`')
 
@@ -311,6 +318,9 @@ def summary_text(cmp) -> str:
               "needs: the work the better of the two needs to match it, over the method's; in seconds: the same in each fit's training "
               "seconds" + (f" (not read: {unread})." if unread else '.'),
               f"to target (never a verdict alone): the cheapest plain schedule's work to {tgt} ({cmp.target_source}) over the method's."]
+    if orphans := cmp.settings.get('orphans'):
+        legend.append(f"left out: {len(orphans)} control(s) saved in the folder that no method asks for now (a resume whose shares moved): "
+                      + ', '.join(short_label(o) for o in orphans) + '.')
     return '\n'.join([head, '', table, ''] + [textwrap.fill(l, 100) for l in legend] + [''] +
                      [textwrap.fill(f"{method_note(r, has)}; to target: {target_cell(r, has)}", 100, subsequent_indent='  ') for r in rows] +
                      ['', 'More: cmp.table (every figure of every method and control), cmp.verdicts (every test), cmp.plot().'])

@@ -9,9 +9,9 @@ from .runs import judged_method, time_to_target, work_slug, control_specs, BLIND
 from .stats import paired_test, curve_test, shown
 
 # %% auto #0
-__all__ = ['per_seed', 'default_drop', 'summarise', 'plain_curve', 'stop_at_best', 'curve_at', 'curve_work', 'bend_room',
+__all__ = ['DRIFT', 'per_seed', 'default_drop', 'summarise', 'plain_curve', 'stop_at_best', 'curve_at', 'curve_work', 'bend_room',
            'random_points', 'alternative_work', 'equal_work', 'knee_target', 'best_plain', 'control_roles',
-           'seconds_unread', 'add_verdicts', 'payoff_test', 'payoff_word']
+           'seconds_unread', 'speed_drift', 'add_verdicts', 'payoff_test', 'payoff_word']
 
 # %% ../nbs/06_verdicts.ipynb #6271835c
 def _med(xs):
@@ -313,6 +313,17 @@ def seconds_unread(runs:list) -> str|None:
     if None in sittings: return "runs saved without their sitting: their loads are unknown"
     if len(sittings) > 1: return f"runs from {len(sittings)} sittings (resumed): their loads differ"
     if len(threads) > 1: return f"runs on {len(threads)} thread counts"
+    return speed_drift(runs)
+
+DRIFT = 1.5   # the most the plain model's seconds per epoch of work may spread (90th over 10th percentile of its runs) for seconds to be read
+
+def speed_drift(runs:list, bound:float=DRIFT) -> str|None:
+    "Why seconds cannot be read where the machine's speed changed during the sitting: the plain model's runs, which do the same work per epoch, spread past `bound` in seconds per epoch of work; None where they hold steady"
+    rates = sorted(r['train_s'] / r['work'] for r in runs if judged_method(r['method']).cls is None and r.get('work') and r.get('train_s'))
+    if len(rates) < 2: return None
+    q = statistics.quantiles(rates, n=10, method='inclusive')
+    lo, hi = q[0], q[-1]
+    if hi > bound * lo: return f"the machine's speed changed during the sitting ({lo:.3g} to {hi:.3g} s per epoch of work among the plain model's runs, more than {bound:g}x apart)"
 
 def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:float|None=None, runs:list|None=None,
                  alpha:float=.05, margin:float=.002, unit:str='points') -> list:
@@ -339,6 +350,8 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
                 r['vs_best_plain_work_x'] = _ratio(best['work'], r.get('work_to_target'))
                 r['vs_best_plain_x'] = _ratio(best['train_s'], r.get('target_s'))
         if m in plain or m in controls: continue
+        if (b := by.get('baseline')) and b.get('work') and r.get('work') is not None:   # what it cost, against the plain model's full schedule
+            r['vs_full'] = dict(work=r['work'] / b['work'], seconds=None if unread or not b.get('train_s') or r.get('train_s') is None else r['train_s'] / b['train_s'])
         same_plain, same_rand = at_work.get(m, (None, None))
         rand = roles.get(m, {}).get('random')   # random choice at its share
         if runs:

@@ -212,3 +212,22 @@ def test_tensor_dls_refuses_empty_or_ragged_splits():
 
 def test_cifar_refuses_a_bad_batch_size_before_downloading(tmp_path):
     with pytest.raises(ValueError, match='`bs` must be an integer >= 1'): cifar10_dls(tmp_path / 'nowhere', bs=0)
+
+def test_confusable_noise_changes_labels_only_within_their_group():
+    import torch
+    from loss_filters.data import noisy_labels, CONFUSABLE, digits_dls
+    y = torch.arange(10).repeat(200)
+    z = noisy_labels(y, .4, 10, seed=1, among=CONFUSABLE['fashion_mnist'])
+    changed = z != y
+    assert set(y[changed].tolist()) == set(z[changed].tolist()) == {0, 2, 6}   # from and to the group only, never a label kept by mistake
+    assert int(changed.sum()) == round(.4 * 600)
+    noisy, clean = digits_dls(label_noise=.4, confusable=True, seed=0), digits_dls(seed=0)
+    ch = noisy.train.dataset.tensors[1] != clean.train.dataset.tensors[1]
+    assert ch.any() and set(clean.train.dataset.tensors[1][ch].tolist()) <= {3, 5, 8}
+    assert torch.equal(noisy.valid.dataset.tensors[1], clean.valid.dataset.tensors[1])   # validation stays clean
+
+def test_lf_bench_refuses_confusable_without_label_noise(tmp_path):
+    import pytest
+    from loss_filters.bench import lf_bench
+    with pytest.raises(ValueError, match='`confusable` says which labels `label_noise` changes'):
+        lf_bench(data='digits', preset='quick', confusable=True, label_noise=0., out=str(tmp_path))

@@ -125,17 +125,32 @@ def test_scripts_run_as_written(tmp_path):
                 if png.stem != '0': png.unlink()
         r = run([sys.executable, name], tmp_path)
         check_ok(r, f"python {name}")
-        if 'compare_filters' in code:   # a comparison: its table of verdicts, one row a method
+        if 'compare_filters' in code:   # a comparison: its table of verdicts, one row a method, and what the README shows of it
             out = r.stdout[r.stdout.index('method  verdict'):]
             assert out.splitlines()[1].split()[0] == 'blf', f"{name} printed no verdict for blf:\n{out}"
+            if (want := shown_after(code)) is not None: assert shape(r.stdout) == shape(want), f"python {name} prints otherwise now:\n{r.stdout}"
             continue
         tables = fit_tables(r.stdout + r.stderr)
         assert tables and 'samp_perc' in tables[0][0], f"{name} printed no fit table with the filter's columns"
 
+def shape(out:str) -> list:
+    "A printout's shape: its paragraphs, each by its first two words with every number masked (the numbers, and seconds, differ by machine)"
+    paras = [p for p in re.split(r'\n\s*\n', out.strip()) if p.strip()]
+    mask = lambda w: re.sub(r'[-+≥≤]?\d[\d.,]*', '#', w)
+    return [' '.join(mask(w) for w in p.split()[:2]) for p in paras]
+
+def shown_after(code:str) -> str|None:
+    "The printed output the README shows right after the python block `code`, if any"
+    i = next(i for i, b in enumerate(BLOCKS) if b[2] == code)
+    return BLOCKS[i + 1][2] if i + 1 < len(BLOCKS) and kind(i + 1) == 'output' else None
+
 def test_other_python_blocks_run(tmp_path):
+    "Each runs on its own; where the README shows what it prints, it prints that today: the same paragraphs, each opening alike"
     for i, (_, _, code) in enumerate(of_kind('python')):
         (tmp_path / f'block{i}.py').write_text(code)
-        check_ok(run([sys.executable, f'block{i}.py'], tmp_path), f"README python block {i + 1} outside Use\n{code}")
+        r = run([sys.executable, f'block{i}.py'], tmp_path)
+        check_ok(r, f"README python block {i + 1} outside Use\n{code}")
+        if (want := shown_after(code)) is not None: assert shape(r.stdout) == shape(want), f"README python block {i + 1} prints otherwise now:\n{r.stdout}"
 
 @pytest.fixture(scope='module')
 def lf_bench_help(tmp_path_factory):

@@ -61,12 +61,15 @@ def test_the_comparisons_figure_is_one_picture_a_reader_can_read(err_cmp):
     fig = err_cmp.plot()
     assert isinstance(fig, Figure) and len(fig.axes) == 2          # `plt.savefig` after it saves both panels
     top, bottom = fig.axes
-    assert 'range over seeds' in top.get_title() and 'error_rate' in top.get_ylabel() and 'error_rate' in bottom.get_ylabel()
+    assert 'interval of the test' in top.get_title() and 'error_rate' in top.get_ylabel() and 'error_rate' in bottom.get_ylabel()
+    top_labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert len(top_labels) <= 8 and any(l.startswith('plain model, its schedules') for l in top_labels) and any(l.startswith('random choice at every') for l in top_labels)
+    assert "the plain model at a method's work (its colour)" in top_labels and "random choice at a method's work (its colour)" in top_labels   # the two controls, told apart
     labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
-    assert all(len(l) <= 50 for l in labels) and not any(l.startswith('random_batch:') for l in labels)
-    assert any(l.startswith('random choice, keep') for l in labels) and any(l.startswith('plain, ') for l in labels)
+    assert all(len(l) <= 60 for l in labels) and not any(l.startswith('random_batch:') for l in labels)
+    assert any(l.startswith('plain, ') for l in labels)
     colour = lambda ax, name: next(h.get_color() if hasattr(h, 'get_color') else h.lines[0].get_color()
-                                   for h, t in zip(*ax.get_legend_handles_labels()) if t == name)
+                                   for h, t in zip(*ax.get_legend_handles_labels()) if t.split(':')[0] == name)
     assert tuple(colour(top, 'blf')) == tuple(colour(bottom, 'blf'))   # a method keeps its colour across the panels
     assert all(any(t.startswith('target ') for t in ax.get_legend_handles_labels()[1]) for ax in (top, bottom))   # the target in both panels
 

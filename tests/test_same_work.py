@@ -48,7 +48,8 @@ def test_the_plan_trains_each_methods_alternatives_at_its_own_work(make):
         assert by[rand, sd]['epochs'] == 3 and by[rand, sd]['scored'] == 0   # random choice at equal work: no scoring pass, its steps
     row = next(r for r in cmp.rows if r['method'] == 'topk:keep=.3')
     assert row['at_work']['how'] == 'same work' and row['at_work']['bend'] == 0 and row['vs_random_work']['control'] == rand
-    assert seconds_unread(cmp.runs) is None and 'in seconds' in repr(cmp)   # one sitting: its seconds can be read (where they fall on the plain curve)
+    why = seconds_unread(cmp.runs)   # one sitting: its seconds can be read, unless the machine's load changed under it (other tests share the cores)
+    assert (why is None or why.startswith("the machine's speed changed during the sitting")) and 'in seconds' in repr(cmp)
 
 def _made_up(method, seed, final, work, secs, sitting='a'):
     return dict(method=method, seed=seed, repeat=0, epochs=3, train_s=secs, wall_s=secs, work=work, final_metric=final, mean_samp_perc=.7,
