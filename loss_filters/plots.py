@@ -80,11 +80,14 @@ def budget_figure(rows:list, # the summary rows
     ax.plot(*zip(*curve), 'o-', color='black', lw=1.2, ms=5, label='plain model, its schedules (training less)')
     if rand: ax.plot(*zip(*rand), 'x--', color='grey', lw=1, ms=5, label='random choice at every share run (a smaller batch)')
     controls = control_specs(control_of)
-    for m, r in by.items():
-        if m in plain or m in controls or r.get('work') is None: continue
+    methods = [m for m, r in by.items() if m not in plain and m not in controls and r.get('work') is not None]
+    span = (max(w for w, _ in curve) - min(w for w, _ in curve)) or 1.
+    xs = dict(zip(methods, _spread_x([by[m]['work'] for m in methods], span / 60)))   # methods of about the same work side by side, not on top of each other
+    for m in methods:
+        r = by[m]
         c, v, y = col.get(m, 'grey'), r.get('at_work'), sign * r['final_metric']
         err = [[max(0., v['diff'] - v['lo'])], [max(0., v['hi'] - v['diff'])]] if v and v.get('lo') is not None else None   # the test's interval, around the method's value
-        ax.errorbar(r['work'], y, yerr=err, fmt='o', ms=7, capsize=3, color=c, label=f"{m}: {payoff_word(r, bool(budgets))}")
+        ax.errorbar(xs[m], y, yerr=err, fmt='o', ms=7, capsize=3, color=c, label=f"{m}: {payoff_word(r, bool(budgets))}")
         roles = control_roles(m, control_of.get(m, []))
         for role, shape in (('same_plain', 's'), ('same_random', '^')):
             if (cr := by.get(roles.get(role))) is not None and cr.get('work') is not None:
