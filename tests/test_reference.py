@@ -138,3 +138,16 @@ def test_where_the_plain_curve_falls_training_less_is_the_alternative():
     assert ew['diff'] == pytest.approx(-.02, abs=1e-6) and ew['verdict'] == 'loses' and ew['how'] != 'same work'
     rising = _runs({'baseline:epochs=10': (10, .80), 'baseline:epochs=15': (15, .82), 'baseline': (20, .83)})
     assert not plain_curve(rising, plain)['falls']   # a rising curve is read as before
+
+def test_no_reference_scores_a_row_it_trained_on(digits, monkeypatch):
+    "Each reference trains on one half and scores the other: the halves are disjoint and every training example is scored once"
+    import loss_filters.reference as ref
+    calls, own = [], ref.subset_loader
+    monkeypatch.setattr(ref, 'subset_loader', lambda dl, idxs, drop_last=False: calls.append(list(idxs)) or own(dl, idxs, drop_last))
+    dls = make_dls(*digits, bs=64)
+    r = ReferenceLosses('crossfit', epochs=1).compute(Learner(dls, mlp(), loss_func=CrossEntropyLossFlat()))
+    assert len(calls) == 4   # per reference: its training half, then the half it scores
+    (t0, s0), (t1, s1) = (calls[0], calls[1]), (calls[2], calls[3])
+    assert not set(t0) & set(s0) and not set(t1) & set(s1)
+    assert sorted(s0 + s1) == list(range(len(dls.train_ds))) and set(t0) == set(s1) and set(t1) == set(s0)
+    assert not r.losses.isnan().any()
