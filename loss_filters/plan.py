@@ -303,7 +303,9 @@ def near_saved(fit:Fit, # a fit about to train
     near = [(abs(float(judged_method(s).kw['keep']) - float(m.kw['keep'])), run) for (s, sd, rep), run in saved.items()
             if (sd, rep) == (fit.seed, fit.repeat) and s != fit.spec and 'keep' in judged_method(s).kw and _like(s, fit.spec)]
     near = [x for x in near if x[0] <= RESUME_SHARE + 1e-12]
-    return min(near, key=lambda x: x[0])[1] | dict(reused_from=min(near, key=lambda x: x[0])[1]['method']) if near else None
+    if not near: return None
+    run = min(near, key=lambda x: x[0])[1]
+    return run | dict(reused_from=run['method'])
 
 def run_plan(plan:list, # the `Fit`s known now
              train, # `train(spec, seed)` -> the run: picklable for an executor of processes
