@@ -18,10 +18,15 @@ from fastai.data.load import DataLoader
 from .core import *
 
 # %% auto #0
-__all__ = ['unwrapped_loader', 'orders_own_batches', 'DataRangeHistogram', 'LossFilterBase', 'FitColumns', 'LossFilterColumns',
-           'warn_no_op', 'by_keyword']
+__all__ = ['FixedOrder', 'unwrapped_loader', 'orders_own_batches', 'DataRangeHistogram', 'LossFilterBase', 'FitColumns',
+           'LossFilterColumns', 'warn_no_op', 'by_keyword']
 
 # %% ../nbs/00a_base.ipynb #cc9e58d1
+class FixedOrder:
+    "A picklable `get_idxs` that returns a fixed order: a loader set to draw exactly these examples"
+    def __init__(self, idxs:list): self.idxs = idxs
+    def __call__(self): return self.idxs
+
 def unwrapped_loader(dl):
     "The loader inside fastai's `DistributedDL`, or `dl` itself"
     return dl.dl if hasattr(dl, 'world_size') and hasattr(dl, 'rank') and hasattr(dl, 'dl') else dl

@@ -88,10 +88,6 @@ def follow_hypers(opt, # the proxy's fastai optimizer (`Optimizer` or `OptimWrap
     for k in own[0]:
         if all(k in h for h in src) and any(o[k] is not h[k] for o, h in zip(own, src)): opt.set_hyper(k, [h[k] for h in src])
 
-def _run_seed() -> int:
-    "A seed for the proxy's random streams, drawn from torch's global CPU stream and leaving it where it was: the run's seed makes the proxy's"
-    with torch.random.fork_rng(devices=[]): return int(torch.randint(0, 2**31 - 1, ()))
-
 def _pool_refusal(dl) -> str|None:
     "Why `fill_batch` cannot pool the batches of the loader `dl`: one that pads each batch to its own length, whose examples would not join; else None"
     dl = unwrapped_loader(dl)
@@ -216,7 +212,7 @@ class LossFilterCallback(LossFilterBase):
                              "from its own batches and drift from the others; train on one process, or score with the model itself")
         if self.proxy is None or self.proxy.loss_func is not learn.loss_func:
             self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=proxy_opt(learn, self.score_model), train_every=self.train_every,
-                                     scale_factor=self.scale_factor, seed=_run_seed())
+                                     scale_factor=self.scale_factor, seed=forked_seed())   # the run's seed makes the proxy's
         self.proxy.to(next(learn.model.parameters()).device)   # a Learner moved between fits takes its proxy along, optimizer state too
         self.fit_proxy = [self.proxy.n_scored, self.proxy.n_trained]   # the counts at the fit's start
 

@@ -15,7 +15,7 @@ __all__ = ['SCORES', 'check_range', 'check_int', 'check_per_sample', 'per_sample
            'select_by_loss_share', 'select_top_k', 'at_least_two', 'prune_by_stale_loss', 'hide_learned',
            'share_by_rate', 'prune_at_random', 'select_at_random', 'reweighted_loss', 'plain', 'map_batch', 'take',
            'frozen_norm_stats', 'downsample', 'score_examples', 'check_schedule', 'should_select', 'dist_world',
-           'all_reduce_sum', 'own_generator', 'crossfit_folds', 'reducible_loss', 'agrees_with_label']
+           'all_reduce_sum', 'forked_seed', 'own_generator', 'crossfit_folds', 'reducible_loss', 'agrees_with_label']
 
 # %% ../nbs/00_core.ipynb #2a3cf9d5
 def check_range(name:str, # the argument's name, used in the message
@@ -458,6 +458,10 @@ def all_reduce_sum(t:Tensor) -> Tensor:
     return r.to(t.device)
 
 # %% ../nbs/00_core.ipynb #d268f772
+def forked_seed() -> int:
+    "A seed drawn from torch's global CPU stream, leaving it where it was: the run's seed makes it, and nothing the run draws next moves"
+    with torch.random.fork_rng(devices=[]): return int(torch.randint(0, 2**31 - 1, ()))
+
 def own_generator(device=None) -> torch.Generator:
     "A new generator on `device`, seeded from torch's global one without moving it; rank 0's seed on every rank"
     with torch.random.fork_rng(devices=[]): seed = torch.randint(2**62, (), dtype=torch.int64)

@@ -15,7 +15,7 @@ from fastai.callback.schedule import ParamScheduler
 from .core import (per_sample_loss, per_sample_grad_norm, prune_by_stale_loss, hide_learned, share_by_rate, reweighted_loss,
                                check_range, dist_world, all_reduce_sum, prune_at_random, plain, reducible_loss)
 from fastcore.basics import noop
-from .base import LossFilterBase, DataRangeHistogram, orders_own_batches, unwrapped_loader, warn_no_op, by_keyword
+from .base import LossFilterBase, DataRangeHistogram, orders_own_batches, unwrapped_loader, warn_no_op, by_keyword, FixedOrder
 
 # %% auto #0
 __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback', 'StaleLossPruningCallback', 'rate_ahead',
@@ -23,11 +23,6 @@ __all__ = ['rank_share', 'plain_epoch_size', 'anneals', 'SamplerPruningCallback'
 
 # %% ../nbs/02_sampler.ipynb #1acfc172
 _epoch_attrs = ('get_idxs', 'chunkify', 'sample', 'randomize')   # what an epoch sets on the loader instance, over its class's methods
-
-class _FixedOrder:
-    "A picklable `get_idxs` that returns the epoch's order"
-    def __init__(self, idxs:list): self.idxs = idxs
-    def __call__(self): return self.idxs
 
 class _KeptBatches:
     "`sample` and `chunkify` for a loader whose batches are its own: batch `j` is its `j`-th batch less the pruned examples"
@@ -191,7 +186,7 @@ class SamplerPruningCallback(LossFilterBase):
         if world > 1: sizes = [min(inner.bs, len(self.rank_order) - i) for i in range(0, len(self.rank_order), inner.bs)]
         self._starts = [0] + list(itertools.accumulate(sizes))
         self._saved = (dl, inner, inner.n)
-        dl.get_idxs, inner.randomize = _FixedOrder(self.rank_order.tolist()), noop
+        dl.get_idxs, inner.randomize = FixedOrder(self.rank_order.tolist()), noop
         if _keeps_batches(inner):
             kb = _KeptBatches(inner, sizes)
             inner.sample, inner.chunkify, inner.n = kb.sample, kb.chunkify, len(sizes) * inner.bs   # `len(dl)`: its kept batches
