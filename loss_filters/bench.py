@@ -5,28 +5,31 @@
 # %% ../nbs/10_bench.ipynb #7f2357f7
 from __future__ import annotations
 import contextlib, functools, json, random, sys, warnings
-# a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line;
-# the filter lives only while the imports run, and the user's own filters are as they were after them
-_quiet = warnings.catch_warnings(); _quiet.__enter__()
-warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
 from functools import partial
 from pathlib import Path
-import torch
-from torch import nn
-from fastcore.script import anno_parser
-from fastcore.basics import store_attr
-from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
-from .core import check_range, check_int
-from .batch import LossFilterCallback
-from .data import load_dls, CropFlip, DATASETS
-from .models import MODELS, make_model, bench_learner
-from .runs import DEFAULT_METHODS, parse_method, run_fit, learner_flop_costs, proxy_costs
-from .plots import kept_figure, save_figure
-from .compare import compare_filters, machine_info
-from .plan import fit_executor, cores_each
-from . import profiler
-from .profiler import profile_step, profile_line
-_quiet.__exit__(None, None, None)
+# a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line;
+# the filter lives only while the imports run (`with`), and the user's own filters are as they were after them
+with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
+    import torch
+    from torch import nn
+    from fastcore.script import anno_parser
+    from fastcore.basics import store_attr
+    from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
+    from loss_filters.checks import check_range, check_int
+    from loss_filters.batch import LossFilterCallback
+    from loss_filters.data import load_dls, CropFlip, DATASETS
+    from loss_filters.models import MODELS, make_model, bench_learner
+    from loss_filters.methods import DEFAULT_METHODS, parse_method
+    from loss_filters.records import proxy_costs
+    from loss_filters.costs import learner_flop_costs
+    from loss_filters.runs import run_fit
+    from loss_filters.plots import kept_figure, save_figure
+    from loss_filters.comparison import machine_info
+    from loss_filters.compare import compare_filters
+    from loss_filters.plan import fit_executor, cores_each
+    from loss_filters import profiler
+    from loss_filters.profiler import profile_step, profile_line
 
 # %% auto #0
 __all__ = ['PRESETS', 'SWITCH', 'bench_work_costs', 'valid_accuracy', 'run_method', 'BenchLearners', 'lf_bench', 'main']

@@ -4,104 +4,32 @@
 
 # %% ../nbs/08_compare.ipynb #64689ed7
 from __future__ import annotations
-import inspect, json, os, platform, sys, time, warnings
+import inspect, json, os, sys, time, warnings
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 import torch
 from fastcore.basics import store_attr
-from fastcore.meta import delegates
 from fastai.basics import Learner
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
-from .core import check_range, check_int
+from .checks import check_range, check_int
 from .base import LossFilterBase
-from .runs import (parse_method, judged_method, metric_sign, add_work, learner_score_cost, learner_proxy_cost, learner_flop_costs, check_learner,
-                               seeded_proxy, proxy_costs, control_specs, upgrade_run, BLIND)
-from .verdicts import summarise, add_verdicts, best_plain, knee_target, seconds_unread
-from .report import (verdict_lines, seeds_text, metric_label, estimate_text, summary_text, summary_frame, full_text)
-from .plots import budget_figure, time_figure, save_figure, plot_colors
-from .plan import Fit, Design, found_controls, run_plan, train_fit, check_executor, default_threads, executor_workers, near_saved, InlineExecutor
+from .methods import parse_method, metric_sign
+from .records import add_work, proxy_costs, upgrade_run
+from .costs import learner_score_cost, learner_proxy_cost, learner_flop_costs
+from .runs import check_learner, seeded_proxy
+from .verdicts import knee_target
+from .report import estimate_text
+from .rules import near_saved
+from .comparison import judge, Judging, Comparison
+from .plan import Fit, Design, Running, run_plan, train_fit, check_executor, default_threads, executor_workers, InlineExecutor
 
 # %% auto #0
-__all__ = ['Comparison', 'machine_info', 'metric_unit', 'judge', 'read_runs', 'load_comparison', 'compare_filters']
+__all__ = ['compare_filters']
 
 # %% ../nbs/08_compare.ipynb #651de256
-class Comparison:
-    "What `compare_filters` measured: the runs, the summary rows, the target, the controls and the settings; `print` it for the verdicts"
-    def __init__(self, runs:list, rows:list, target:float, budgets:list, control_of:dict, settings:dict): store_attr()
-
-    @property
-    def metric(self) -> str: return self.settings['metric']
-    @property
-    def sign(self) -> int: return self.settings['sign']
-    @property
-    def alpha(self) -> float: return self.settings.get('alpha', .05)
-    @property
-    def unit(self) -> str: return self.settings.get('unit', 'points')
-    def _target_from(self) -> str:
-        "'reference', 'given' or 'judged runs': where the target comes from"
-        src = self.settings.get('target_from')
-        return src if src == 'reference' else 'given' if src == 'given' or self.settings.get('fixed_target') else 'judged runs'
-    @property
-    def target_source(self) -> str:
-        "Where the target comes from, in words"
-        return {'reference': f"fixed from {seeds_text(self.settings.get('reference_seeds', 0))} of the plain model not judged here", 'given': 'given',
-                'judged runs': "the plain model's median final value less a small margin, set from the runs it judges: not fixed in advance"}[self._target_from()]
-    @property
-    def target_value(self) -> float:
-        "The target in the metric's own units"
-        return self.sign * self.target
-
-    @property
-    def table(self):
-        "The summary as a DataFrame, one row per method and control (medians over its runs), indexed by a short name (the spec in column `spec`)"
-        return summary_frame(self)
-
-    @property
-    def verdicts(self) -> list:
-        "Every test in words, method by method: to the target, at equal work, against the plain model, random choice and its other controls"
-        return verdict_lines(self.rows, self.budgets, self.control_of)
-
-    def plot(self):
-        "One figure: the metric against work over the budget curve (with the controls), and against training seconds; `plt.savefig` after it saves both"
-        import matplotlib.pyplot as plt
-        figs = self._figures()
-        fig, axs = plt.subplots(max(1, len(figs)), 1, figsize=(10, 4.5 * max(1, len(figs))), squeeze=False)
-        for (f, _), ax in zip(figs, axs[:, 0]): f(ax=ax)
-        if not figs: axs[0, 0].text(.5, .5, 'no plain schedule, and seconds not read', ha='center', va='center', transform=axs[0, 0].transAxes)
-        src = {'reference': 'fixed from reference seeds', 'given': 'given', 'judged runs': 'set from the judged runs'}[self._target_from()]
-        fig.suptitle(f"{metric_label(self.metric)}: {seeds_text(self.settings['seeds'])}; the target {self.target_value:.4f}, {src}", fontsize=10)
-        fig.tight_layout()
-        return fig
-
-    def results(self, **more) -> dict:
-        "Everything measured, as plain data, and `more` (what a caller adds, such as a profile)"
-        return dict(settings=self.settings, metric=self.metric, target=self.target_value, target_from=self.target_source,
-                    controls=dict(budgets=self.budgets, of=self.control_of),
-                    best_plain=best_plain(self.rows, ['baseline', *self.budgets], self.target) if self.budgets else None,
-                    summary=self.rows, verdicts=self.verdicts, runs=self.runs, machine=machine_info()) | more
-
-    def save(self, folder, results:dict|None=None, **more) -> list:
-        "Write `results.json` (`results`, when already made; else `self.results(**more)`), `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
-        import matplotlib; matplotlib.use('Agg')
-        folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
-        (folder / 'results.json').write_text(json.dumps(self.results(**more) if results is None else results, indent=1))
-        (folder / 'summary.txt').write_text(full_text(self) + '\n')
-        for n in ('accuracy_vs_budget.png', 'accuracy_vs_time.png'): (folder / n).unlink(missing_ok=True)   # no stale figure of an earlier save
-        return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in self._figures()]
-
-    def _figures(self) -> list:
-        "The figures' makers and file names, `(f(ax=None), name)`: over the plain curve (with budgets) and, where seconds are read (`seconds_unread`), against time; one colour per method and its controls"
-        col = plot_colors([r['method'] for r in self.rows], self.control_of)
-        budget = lambda ax=None: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=ax, target=self.target, colors=col)
-        timed = lambda ax=None: time_figure(self.runs, self.target, self.metric, self.sign, ax=ax, colors=col, controls=control_specs(self.control_of))
-        return ([(budget, 'accuracy_vs_budget.png')] if self.budgets else []) + ([] if seconds_unread(self.runs) else [(timed, 'accuracy_vs_time.png')])
-
-    def __repr__(self): return summary_text(self)
-
-def machine_info() -> dict:
-    "Where the runs trained: the platform, torch's threads and version, the GPU"
-    return dict(platform=platform.platform(), threads=torch.get_num_threads(), torch=torch.__version__,
-                cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+# the names' older home: the result and the reading of saved runs are now in `loss_filters.comparison`
+from .comparison import Comparison, machine_info, metric_unit, judge, read_runs, load_comparison
 
 # %% ../nbs/08_compare.ipynb #7fd53d59
 def _metric_names(learn) -> list: return ['valid_loss'] + [m.name for m in learn.metrics]
@@ -122,16 +50,6 @@ def _check_factory(make_learner, metric:str|None) -> tuple:
     metric = metric or (names[1] if len(names) > 1 else 'valid_loss')
     if metric not in names: raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
     return metric, a
-
-def _check_settings(evals_per_epoch, check, score_cost, alpha=.05, work='flops', folder=None):
-    "Raise, naming the argument, before anything trains (the design's own arguments are checked by `Design`)"
-    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
-    check_int('evals_per_epoch', evals_per_epoch, lo=1)
-    if evals_per_epoch > 1 and check is None: raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
-    if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
-    if work not in ('flops', 'time'): raise ValueError(f"`work` must be 'flops' or 'time', got {work!r}")
-    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-        raise ValueError(f"`folder` must be a folder for the saved runs, got the file {folder}")
 
 def _target_drop(metric:str, target_drop:float|None, n_valid:int) -> float|None:
     "`target_drop` as given; a warning where the user asked for less than one validation example's share of a share metric (accuracy, error rate), none for the default (the second reading's target, never a verdict, and `reference_seeds` fix a better one)"
@@ -165,158 +83,86 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
     runs = [upgrade_run(json.loads(l)) for l in runs_f.read_text().splitlines() if l.strip()]
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
 
-# %% ../nbs/08_compare.ipynb #64dadaf3
-_SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', 'recall', 'auc', 'top_k')
-
-def metric_unit(metric:str, runs:list) -> str:
-    "'points' for a share metric (accuracy, error rate, F1, Dice: every value in [0, 1]), whose differences read in points; else the metric's own name"
-    vals = [abs(r['final_metric']) for r in runs if r.get('final_metric') is not None]
-    return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric_label(metric)
-
-def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
-    "The `Comparison` of `runs` (reference runs set aside): summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
-    judged = [r for r in runs if not r.get('reference')]
-    src = settings.get('target_from') or ('given' if target is not None else 'judged runs')
-    unit = metric_unit(settings.get('metric', 'accuracy'), judged)
-    alpha, settings = settings.get('alpha', .05), settings | dict(target_drop=target_drop, fixed_target=target is not None, target_from=src, unit=unit)
-    rows, tgt = summarise(judged, target, target_drop, alpha)
-    add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in judged}), tgt, runs=judged, alpha=alpha, unit=unit)
-    return Comparison(judged, rows, tgt, budgets, control_of, settings)
-
-def read_runs(path) -> list:
-    "The runs saved in `path`: a folder with `runs.jsonl`, or a runs file (`.jsonl`, or gzipped `.jsonl.gz`)"
-    import gzip
-    path = Path(path)
-    f = path / 'runs.jsonl' if path.is_dir() else path
-    text = gzip.decompress(f.read_bytes()).decode() if f.suffix == '.gz' else f.read_text()
-    return [upgrade_run(json.loads(l)) for l in text.splitlines() if l.strip()]   # under today's names
-
-def _runs_of(saved) -> list:
-    "Copies of the runs `saved` holds under today's names: the runs themselves (a list), or a folder or file `read_runs` reads"
-    return [upgrade_run(r) for r in saved] if isinstance(saved, (list, tuple)) else read_runs(saved)
-
-def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or `lf_bench`), a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
-                    alpha:float=.05, # the level of every test
-                    target:float|None=None, # the target in the metric's units; default: at the knee of the reference runs saved beside, else the plain model's median final value, `target_drop` worse
-                    target_drop:float|None=None, # the last default's distance from the plain model's final value (`default_drop` when None)
-                    reference=None, # reference runs of the plain model on other seeds (a file, a folder or the runs): the target at their knee
-                    score_cost:float|None=None, # count every run's work again at this cost of a scored example (in training steps, e.g. from `learner_flop_costs`)
-                    proxy_cost:dict|None=None # with `score_cost`: a proxy's `score` and `step` costs, by width (`{'0.25': dict(score=.., step=..)}`)
-                   ) -> Comparison:
-    "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`; runs of a method this version no longer has are judged from their numbers"
-    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
-    runs = _runs_of(saved)
-    conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
-    settings = json.loads(conf.read_text()) if conf is not None and conf.exists() else dict(metric='accuracy', sign=1)
-    sign = settings.get('sign', 1)
-    for r in runs:
-        r.setdefault('history', [])   # runs saved without their checks: judged on their final value and work
-        if r['history'] and 'trained' in r['history'][-1] and (score_cost is not None or judged_method(r['method']).name in BLIND):
-            add_work(r, settings.get('score_cost', 0.) if score_cost is None else score_cost, _proxy_of(r, proxy_cost, settings),
-                     _proxy_of(r, proxy_cost, settings, 'ref_width'))
-    refs = [r for r in runs if r.get('reference')] + (_runs_of(reference) if reference is not None else [])
-    if target is None and refs:
-        target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_seeds=len(refs))
-    runs = [r for r in runs if not r.get('reference')]
-    settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
-    if score_cost is not None: settings |= dict(score_cost=score_cost, work=settings.get('work', 'recounted'))
-    budgets, control_of = found_controls(runs)
-    runs, orphans = _without_orphans(runs, budgets, control_of, settings.get('methods'))
-    if orphans: settings |= dict(orphans=orphans)
-    return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
-
-def _without_orphans(runs:list, budgets:list, control_of:dict, methods:list|None) -> tuple:
-    "`(runs, orphans)`: the runs less those of controls no method asks for now (a resume at other shares left them), and their names; never judged as methods"
-    keep = {'baseline', *budgets, *control_specs(control_of), *control_of}
-    def orphan(n:str) -> bool:
-        if n in keep: return False
-        if methods: return n not in methods   # the comparison's own methods, as saved beside its runs
-        m = judged_method(n)
-        return bool(m.at_work_of or m.reach_of)   # a control of a method's own work: never a method of its own
-    orphans = sorted({r['method'] for r in runs if orphan(r['method'])})
-    return [r for r in runs if r['method'] not in orphans], orphans
-
-def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict, what:str='proxy') -> dict|None:
-    "The costs of `run`'s proxy (by its `proxy=` width), or of its references (`what='ref_width'`), from `proxy_cost` or the saved settings"
-    w = getattr(judged_method(run['method']), what)
-    if w is None: return None
-    costs = proxy_cost if proxy_cost is not None else settings.get('proxy_cost', {})
-    c = costs.get(str(w)) or costs.get(f'{w:g}')
-    return None if c is None else proxy_costs(c)
-
 # %% ../nbs/08_compare.ipynb #ab5ad80b
-@delegates(Design.__init__)
 def compare_filters(make_learner, # a function of no arguments that returns a new Learner: your data, model, loss, metrics, callbacks
-                    methods:str|list='baseline blf stale hide', # methods, space-separated or a list: `baseline`, `blf`, `sb`, `topk`, `stale`, `hide` (`blf_gn`, `sb_gn`, `stale_gn` rank by the gradient norm), the controls `random_batch` and `random`; settings after a colon (`"sb:keep=.3,start=0"`), `epochs=`/`lr_mult=` on any, `proxy=.25` on a batch filter
+                    methods:str|list='baseline blf stale hide', # methods, space-separated or a list, with settings after a colon: `"sb:keep=.3"`
                     lr:float=1e-3, # (maximum) learning rate of the fit
                     fit=None, # `fit(learn, epochs, lr)`; default `learn.fit_one_cycle(epochs, lr)`
-                    metric:str|None=None, # the Recorder's name of the metric the target is on; default the Learner's first metric
-                    lower_is_better:bool|None=None, # whether lower is better for `metric`; guessed from its name when None
-                    target:float|None=None, # the target value of `metric` for the time to target, fixed in advance; default: from `reference_seeds`, else the plain model's median final value, `target_drop` worse
-                    target_drop:float|None=None, # that last default's distance from the plain model's final value, in the metric's units (0.2 points of a share, else 0.2% of the value)
-                    work:str='flops', # how a scored example and a proxy are charged: `flops`, counted operations (the same on every machine), or `time`, measured step times
-                    evals_per_epoch:int=1, # checks of the metric per epoch (more than 1 needs `check`)
-                    check=None, # `(model, valid_dl) -> value` of `metric`, for the checks inside an epoch
-                    score_cost:float|None=None, # a scored example's cost in training steps; default counted (or timed, `work='time'`) on your model
-                    folder:str|Path|None=None, # save every run here, and resume from the runs saved here
-                    resume:bool=True, # reuse the runs saved in `folder`; False starts over
-                    show_progress:bool=True, # one progress bar over the whole comparison
+                    check=None, # `(model, valid_dl) -> value` of the metric, for the checks inside an epoch
                     cbs:list|None=None, # more callbacks for every fit
-                    on_run=None, # `on_run(spec, seed, repeat, kind)` before each run is handed to the executor
-                    show_fits:bool=False, # fastai's own bar and table for every fit
-                    diagnostics:bool=False, # save each filter's diagnostics figure of the first seed in `folder`
-                    warmup:bool=True, # a few untimed steps first in each process that trains, so that its first run does not pay for start-up
+                    make_proxy=None, # `make_proxy(width) -> nn.Module`: the smaller model of a method spelled with `proxy=` or `ref_width=`
+                    judging:Judging|None=None, # how it is judged: metric, target, `alpha`, work unit
+                    running:Running|None=None, # how it runs: executor, threads, folder, resume, progress
                     add_baseline:bool=True, # train the plain model first when `methods` lacks it (the default target needs it)
-                    alpha:float=.05, # the level of every test: a method is said to pay when the one-sided test over seeds shows it at this error rate; intervals are at `1 - 2*alpha`
-                    make_proxy=None, # `make_proxy(width) -> nn.Module`: the small model scoring a method spelled with `proxy=width` (`"blf:proxy=.25"`)
-                    executor=None, # runs the fits side by side: anything with `submit(fn, *args)` returning `.result()`/`.done()` (`fit_executor(2)`, loky, dask's `client.get_executor()`, submitit); None: one after another here
-                    threads:int|None=None, # compute threads of each fit on `executor`; default: the cores shared out over a local pool's workers
-                    **kwargs # the design (`Design`): `epochs`, `seeds`, `seed`, `repeats`, `budgets`, `controls`, `reference_seeds`
+                    **settings # any field of `Design`, `Judging` or `Running` by name: `epochs=6, seeds=5, alpha=.1, folder='out'`
                    ) -> Comparison:
-    "Train the plain model and every method from the same seeds on Learners from `make_learner`, beside training less and random choice at each method's share, count their work exactly, and judge each at `alpha`: `print` the result"
-    specs = _method_specs(methods, make_proxy, add_baseline)
-    if 'seed' in kwargs and 'seeds' not in kwargs:
-        warnings.warn(f"`seed={kwargs['seed']!r}` is the first seed; how many seeds train is `seeds` (default {Design.__init__.__defaults__[1]}): "
-                      "pass `seeds=` if that is what you meant", stacklevel=2)
-    design = _design(specs, kwargs)   # what trains, checked first: every fit, and the controls as they join
-    epochs, seeds, seed, repeats, reference_seeds = design.epochs, design.seeds, design.seed, design.repeats, design.reference_seeds
-    _check_settings(evals_per_epoch, check, score_cost, alpha, work, folder)
-    metric, probe = _check_factory(make_learner, metric)
-    check_learner(probe, per_example=any(parse_method(s).filters for s in specs))   # on one batch, before the first fit trains
-    check_executor(executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
-    if target is None and not reference_seeds: target_drop = _target_drop(metric, target_drop, len(probe.dls.valid_ds))
-    _warn_no_verdict(seeds, repeats, design.controls)
-    sign, folder = metric_sign(metric, lower_is_better), None if folder is None else Path(folder)
-    settings = dict(methods=specs, lr=lr, metric=metric, sign=sign, evals_per_epoch=evals_per_epoch, score_cost=score_cost, alpha=alpha, work=work,
+    "Train the plain model, every method and its controls from the same seeds, count their work, and judge each method"
+    design, judging, running = _objects(methods, make_proxy, add_baseline, judging, running, settings)
+    if judging.evals_per_epoch > 1 and check is None:
+        raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
+    metric, probe = _check_factory(make_learner, judging.metric)
+    check_learner(probe, per_example=any(parse_method(s).filters for s in design.specs))   # on one batch, before the first fit trains
+    check_executor(running.executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
+    drop = judging.target_drop
+    if judging.target is None and not design.reference_seeds: drop = _target_drop(metric, drop, len(probe.dls.valid_ds))
+    _warn_no_verdict(design.seeds, design.repeats, design.controls)
+    folder = None if running.folder is None else Path(running.folder)
+    settings = dict(methods=design.specs, lr=lr, metric=metric, sign=metric_sign(metric, judging.lower_is_better),
+                    evals_per_epoch=judging.evals_per_epoch, score_cost=judging.score_cost, alpha=judging.alpha, work=judging.work,
                     **design.settings())
-    done = _saved_runs(folder, settings, resume)
+    done = _saved_runs(folder, settings, running.resume)
     saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
-    settings |= _work_costs(probe, settings, saved, _proxy_widths(specs), make_proxy, seed)
+    settings |= _work_costs(probe, settings, saved, _proxy_widths(design.specs), make_proxy, design.seed)
     _save_settings(folder, settings)
     del probe
-    threads, inline = threads or default_threads(executor), executor is None or isinstance(executor, InlineExecutor)
-    if inline and threads: print(f"compare_filters: fits train here one after another on {threads} torch thread(s), as a pool's single worker would; "
-                                 "`threads=` sets it (on a machine other work shares, 1 is often fastest)")
-    train = partial(train_fit, make_learner, epochs=epochs, lr=lr, fit=fit, metric=metric, sign=sign, evals_per_epoch=evals_per_epoch, check=check,
-                    show_progress=show_fits, cbs=cbs, make_proxy=make_proxy, threads=threads, warmup=warmup and not done)
-    user_threads = torch.get_num_threads()   # given back after the fits here, however they end
-    ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(executor), show_progress and not show_fits, on_run)
+    train = partial(train_fit, make_learner, epochs=design.epochs, lr=lr, fit=fit, metric=metric, sign=settings['sign'],
+                    evals_per_epoch=judging.evals_per_epoch, check=check, show_progress=running.show_fits, cbs=cbs, make_proxy=make_proxy,
+                    threads=_threads(running), warmup=running.warmup and not done)
+    results = _train_all(design, running, train, settings, done, folder)
+    runs, refs, plain, control_of = design.ordered(results)
+    target = judging.target
+    if refs and target is None:
+        knee = knee_target(refs)
+        target, settings = settings['sign'] * knee['target'], settings | dict(target_from='reference', reference_target=knee)
+    _save_settings(folder, settings)
+    return judge(runs, plain, control_of, settings, None if target is None else settings['sign'] * target, drop)
+
+def _objects(methods, make_proxy, add_baseline:bool, judging, running, settings:dict) -> tuple:
+    "`(Design, Judging, Running)`: each keyword setting given to the object that owns it, which checks it"
+    owners = dict(design=set(inspect.signature(Design).parameters) - {'specs'}, judging={f.name for f in fields(Judging)},
+                  running={f.name for f in fields(Running)})
+    if bad := sorted(set(settings) - set().union(*owners.values())):
+        raise TypeError(f"compare_filters() got an unexpected keyword argument {bad[0]!r}")
+    mine = {k: {n: v for n, v in settings.items() if n in names} for k, names in owners.items()}
+    specs = _method_specs(methods, make_proxy, add_baseline)
+    if 'seed' in settings and 'seeds' not in settings:
+        warnings.warn(f"`seed={settings['seed']!r}` is the first seed; how many seeds train is `seeds` (default "
+                      f"{inspect.signature(Design).parameters['seeds'].default}): pass `seeds=` if that is what you meant", stacklevel=3)
+    design = Design(specs, **mine['design'])   # what trains, checked first
+    judging = replace(judging or Judging(), **mine['judging'])
+    running = replace(running or Running(), **mine['running'])
+    return design, judging, running
+
+def _threads(running:Running) -> int|None:
+    "The compute threads of each fit; said once where the fits train here"
+    threads = running.threads or default_threads(running.executor)
+    if running.inline and threads:
+        print(f"compare_filters: fits train here one after another on {threads} torch thread(s), as a pool's single worker would; "
+              "`threads=` sets it (on a machine other work shares, 1 is often fastest)")
+    return threads
+
+def _train_all(design:Design, running:Running, train, settings:dict, done:dict, folder:Path|None) -> dict:
+    "Every fit of `design` not in `done`, trained on `running`'s executor; torch's thread count given back however it ends"
+    ex, user_threads = running.executor, torch.get_num_threads()
+    ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(ex), running.show_progress and not running.show_fits,
+                     running.on_run)
     try:
-        results = run_plan(design.fits(), train, executor, done, design.then, reuse=partial(near_saved, saved=done) if done else None,
+        results = run_plan(design.fits(), train, ex, done, design.then, reuse=partial(near_saved, saved=done) if done else None,
                            on_submit=ledger.submitted, on_result=ledger.finished, twin=design.twin,
-                           fit_kwargs=partial(_diagnostics_of, folder=folder if diagnostics else None, seed=seed))
+                           fit_kwargs=partial(_diagnostics_of, folder=folder if running.diagnostics else None, seed=design.seed))
     finally: torch.set_num_threads(user_threads)
     ledger.close()
-    runs, refs, plain, control_of = design.ordered(results)
-    if refs and target is None: target, settings = sign * knee_target(refs)['target'], settings | dict(target_from='reference', reference_target=knee_target(refs))
-    _save_settings(folder, settings)
-    return judge(runs, plain, control_of, settings, None if target is None else sign * target, target_drop)
-
-def _design(specs:list, kwargs:dict) -> Design:
-    "The `Design` of `specs` from `compare_filters`' design arguments; an argument it does not know raises as Python would, named"
-    if bad := sorted(set(kwargs) - set(inspect.signature(Design).parameters)):
-        raise TypeError(f"compare_filters() got an unexpected keyword argument {bad[0]!r}")
-    return Design(specs, **kwargs)
+    return results
 
 def _method_specs(methods, make_proxy, add_baseline:bool) -> list:
     "The methods as a list, each parsed and checked once, the plain model first when missing (the target and every paired ratio need it)"

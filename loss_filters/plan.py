@@ -6,19 +6,22 @@
 from __future__ import annotations
 import copy, multiprocessing, numbers, os, pickle, statistics, time, warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 import torch
 from fastcore.basics import store_attr
 from .core import check_int
-from .batch import RandomBatchCallback
-from .sampler import SamplerPruningCallback, RandomPruningCallback
-from .runs import run_fit, StopAfter, judged_method, parse_method, work_slug, RetiredMethod, control_specs, is_plain_schedule, BLIND
+from .methods import judged_method, parse_method, control_specs
+from .rules import budget_shares, plain_schedules, controls_of
+from .runs import run_fit, StopAfter
+# the names' older home: the rules are now in `loss_filters.rules`
+from .rules import (budget_specs, matched_control, same_work_controls, same_work_of, rate_control, self_scored_control,
+                                found_controls, near_saved, RESUME_SHARE)
 
 # %% auto #0
-__all__ = ['RESUME_SHARE', 'Fit', 'budget_shares', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls',
-           'same_work_of', 'rate_control', 'self_scored_control', 'controls_of', 'found_controls', 'Design',
-           'InlineExecutor', 'cores_each', 'fit_executor', 'executor_workers', 'default_threads', 'check_executor',
-           'train_fit', 'near_saved', 'run_plan']
+__all__ = ['Fit', 'Design', 'InlineExecutor', 'cores_each', 'fit_executor', 'executor_workers', 'default_threads', 'Running',
+           'check_executor', 'train_fit', 'run_plan']
 
 # %% ../nbs/05b_plan.ipynb #3b303b18
 class Fit(NamedTuple):
@@ -26,119 +29,6 @@ class Fit(NamedTuple):
     spec:str; seed:int; repeat:int=0; kind:str='method'; examples:int|None=None   # `examples`: a schedule over that many examples (`run_fit`)
     @property
     def key(self) -> tuple: return (self.spec, self.seed, self.repeat)   # how saved runs are found again
-
-# %% ../nbs/05b_plan.ipynb #e689155f
-def budget_shares(budgets:str|float|list) -> list:
-    "The shares `budgets` holds, as the user spelled them (strings): `'.6 .8'`, `[.6, .8]` or one number `.6` -> `['.6', '.8']` / `['0.6', '0.8']` / `['0.6']`"
-    if isinstance(budgets, str): return budgets.split()
-    if isinstance(budgets, numbers.Real) and not isinstance(budgets, bool): return [str(budgets)]
-    try: return [str(b) for b in budgets]
-    except TypeError: raise TypeError(f"`budgets` must be shares of the epochs: a string ('.6 .8 1.2'), a number or a list of numbers, got {budgets!r}") from None
-
-def budget_specs(epochs:int, fracs:str|list='.5 .6 .7 .8 .9') -> list:
-    "The equal-compute control: the plain baseline on other one-cycle schedules, at these shares of `epochs` (above 1: longer, so the curve reaches past the full schedule)"
-    fracs = budget_shares(fracs)
-    ks = sorted({max(1, round(float(f) * epochs)) for f in fracs})
-    return [f'baseline:epochs={k}' for k in ks if k != epochs]
-
-def plain_schedules(epochs:int, budgets:str|list) -> list:
-    "`budget_specs`, with a warning where shares give the same schedule or the full one"
-    shares = budget_shares(budgets)
-    ks = [max(1, round(float(b) * epochs)) for b in shares]
-    lost = [f"{b} gives {k} epochs" + (' (the full schedule)' if k == epochs else ' (as another share)') for i, (b, k) in enumerate(zip(shares, ks))
-            if k == epochs or k in ks[:i]]
-    if lost: warnings.warn(f"`budgets` {' '.join(shares)!r} at `epochs={epochs}` gives {len(set(ks) - {epochs})} other plain schedule(s), not "
-                           f"{len(shares)}: {'; '.join(lost)}; pass shares that give distinct schedules, or more `epochs`", stacklevel=4)
-    return budget_specs(epochs, shares)
-
-def _judged_filter(m) -> bool:
-    "Whether a method chooses its examples (gets controls): not the plain model, random choice, or a method this version no longer has"
-    return m.cls is not None and not issubclass(m.cls, (RandomPruningCallback, RandomBatchCallback, RetiredMethod))
-
-def matched_control(spec:str, runs:list) -> str|None:
-    "The random control at the share `spec`'s runs really kept, with the same rate raise: `random` for a sampler pruner, `random_batch` for a batch filter"
-    m = judged_method(spec)
-    if not _judged_filter(m): return None
-    rs, cb = [r for r in runs if r['method'] == spec], m.cls(**m.kw)
-    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k not in ('proxy', 'ref_width'))   # the method's own run settings (epochs, rate); the choice is blind, so no proxy, no reference
-    if isinstance(cb, SamplerPruningCallback):   # the share of the data in its pruned epochs
-        shares = [e['samp_perc'] for r in rs for e in r['history'] if e['samp_perc'] is not None and e['samp_perc'] < 1]
-        raise_lr = ',lr_scale=1' if getattr(cb, 'lr_scale', False) else ''
-        first = ',from_first=True' if cb.prunes_first else ''   # a pruner that prunes its first epoch too: so does its control
-        return f"random:keep={statistics.fmean(shares):.3f},anneal={cb.anneal:g}{raise_lr}{first}{sched}" if shares else None
-    shares = [k for r in rs for _, k in r.get('kept', [])]   # the share of each batch it filtered, on its own schedule
-    if not shares: return None
-    return (f"random_batch:keep={statistics.fmean(shares):.3f},start={cb.start:g},end={cb.end:g},interrupt={cb.interrupt},"
-            f"skip_epochs={cb.skip_epochs},fill_batch={int(cb.fill_batch)}{sched}")
-
-def same_work_controls(spec:str, runs:list,
-                       longer:tuple=()): # shares above 1 of the method's epochs: random choice at its share on those longer schedules too
-    "The two simple alternatives at `spec`'s own work, a user's without the package: the plain model trained for exactly each run's work (`baseline:same_work=...`: one schedule over as many examples), and random choice at equal work (the plain model at the smaller batch that spends the method's mean work in its steps; none where that batch would not be smaller), and at that share over `longer` schedules (`reach=`), so that random choice's curve reaches past the method's value"
-    m = judged_method(spec)
-    if not _judged_filter(m): return []
-    rs = [r for r in runs if r['method'] == spec and r.get('work') is not None]
-    if not rs: return []
-    tag, rate = f"same_work={work_slug(spec)}", ''.join(f",lr_mult={v}" for k, v in m.run.items() if k == 'lr_mult')
-    keep = statistics.fmean(r['work'] / r['epochs'] for r in rs)   # the share of each of its batches that spends its work
-    sched = ''.join(f',{k}={v}' for k, v in m.run.items() if k in ('epochs', 'lr_mult'))
-    if keep >= 1: return [f"baseline:{tag}{rate}"]
-    e = rs[0]['epochs']
-    far = sorted({k for b in longer if (k := round(float(b) * e)) > e})   # the longer schedules, in whole epochs
-    return [f"baseline:{tag}{rate}", f"random_batch:keep={keep:.3f}{sched},{tag}"] + [f"random_batch:keep={keep:.3f},epochs={k}{rate},reach={work_slug(spec)}" for k in far]
-
-def same_work_of(method:str, controls:list) -> tuple:
-    "`(plain, random)`: `method`'s controls at its own work among `controls` (None where one is missing)"
-    mine = [m for m in map(judged_method, controls) if m.run.get('same_work') == work_slug(method)]
-    return (next((c.spec for c in mine if c.cls is None), None), next((c.spec for c in mine if c.cls is not None), None))
-
-def rate_control(spec:str, runs:list) -> str|None:
-    "The plain baseline at the mean rate multiplier `spec`'s filter applied, for a filter that changes the learning rate; else None"
-    m = judged_method(spec)
-    mults = [r['lr_mult'] for r in runs if r['method'] == spec and 'lr_mult' in r]
-    if m.cls is None or not mults or abs(statistics.fmean(mults) - 1) < 1e-3: return None   # a plain run's own rate is no change
-    return f"baseline:lr_mult={statistics.fmean(mults) * m.run.get('lr_mult', 1):.3f}" + (f",epochs={m.run['epochs']}" if 'epochs' in m.run else '')
-
-def self_scored_control(spec:str) -> str|None:
-    "For a method scored by a proxy (`blf:proxy=.25`), the same filter scored by the model itself (`blf`); else None"
-    m = judged_method(spec)
-    own = m.without('proxy', 'train_every')
-    return None if own == m.without() else own
-
-def controls_of(spec:str, runs:list,
-                longer:tuple=()): # shares above 1 of the method's epochs, for random choice on longer schedules (`same_work_controls`)
-    "`spec`'s controls, from its runs: random choice at the share it kept, the plain model at the rate it applied, the filter scored by the model itself, and the two alternatives at its own work (random choice also past it)"
-    return [c for c in (matched_control(spec, runs), rate_control(spec, runs), self_scored_control(spec)) if c] + same_work_controls(spec, runs, longer)
-
-def _like(name:str, spec:str) -> bool:
-    "Whether control `name` has the settings of control `spec`, but perhaps another share `keep`"
-    a, b = judged_method(name), judged_method(spec)
-    return a.cls is b.cls and a.run == b.run and {k: v for k, v in a.kw.items() if k != 'keep'} == {k: v for k, v in b.kw.items() if k != 'keep'}
-
-def _nearest(names:list, keep:float) -> list:
-    "Of controls alike but for their share (a resume that asked again at a share shifted by more seeds), the one nearest `keep`"
-    groups = {}
-    for n in names:
-        m = judged_method(n)
-        groups.setdefault((m.cls, tuple(sorted(m.run.items())), tuple(sorted((k, v) for k, v in m.kw.items() if k != 'keep'))), []).append(n)
-    return [min(g, key=lambda n: abs(float(judged_method(n).kw.get('keep', keep)) - keep)) for g in groups.values()]
-
-def found_controls(runs:list) -> tuple:
-    "`(plain schedules, each method's controls)` among saved `runs`, chosen again as `Design` chose them: the other plain schedules are the runs `is_plain_schedule` finds"
-    names = list(dict.fromkeys(r['method'] for r in runs))
-    budgets = [m for m in names if is_plain_schedule(m)]
-    def found(m):
-        cs = [c for c in (matched_control(m, runs), rate_control(m, runs), self_scored_control(m)) if c in names]
-        at_work = [n for n in names if work_slug(m) in (judged_method(n).run.get('same_work'), judged_method(n).run.get('reach'))]   # its plain and random runs at its own work, and past it
-        rs = [r for r in runs if r['method'] == m and r.get('work') is not None and r.get('epochs')]
-        if rs: at_work = [n for n in at_work if n in _nearest(at_work, statistics.fmean(r['work'] / r['epochs'] for r in rs))]
-        if not any(judged_method(c).name in BLIND for c in cs):   # runs saved without the kept shares: the random control on the same settings
-            spec = matched_control(m, [r | dict(kept=[(0, .5)], history=[dict(samp_perc=.5)]) for r in runs if r['method'] == m])
-            like = [n for n in names if spec and _like(n, spec)]
-            if len(like) == 1: cs.insert(0, like[0])
-        return cs + at_work
-    of = {m: found(m) for m in names if judged_method(m).filters}
-    controls = set(control_specs(of))
-    return budgets, {m: cs for m, cs in of.items() if cs and m not in controls}
 
 # %% ../nbs/05b_plan.ipynb #682d2fe8
 def _check_design(epochs, seeds, seed, repeats, budgets, reference_seeds):
@@ -192,8 +82,8 @@ class Design:
         keys = self._keys(fit.spec)
         if not self.controls or fit.kind != 'method' or not all(k in results for k in keys): return []
         def control(c:str, sd:int, rep:int) -> Fit:
-            run, m = results[(fit.spec, sd, rep)], parse_method(c)
-            return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.cls is None and 'same_work' in m.run else None)
+            run, m = results[(fit.spec, sd, rep)], judged_method(c)
+            return Fit(c, sd, rep, 'control', round(run['work'] * run['plain_epoch']) if m.plain and 'same_work' in m.run else None)
         return [control(c, sd, rep) for sd in self.judged for rep in range(self.repeats) for c in controls_of(fit.spec, [results[k] for k in keys], self.longer)]
 
     def twin(self, fit:Fit) -> tuple|None:
@@ -212,7 +102,7 @@ class Design:
         "`(fits, full schedules)` the comparison trains, before its rate and self-scored controls: the methods and plain schedules on every seed, each filter's three controls (random choice at its share, the plain model and random choice at its work, each counted at most the method's schedule) and random choice on each longer schedule (at most that schedule), and the reference runs; a control two methods share (`twin`) counted for each"
         ms = [parse_method(s) for s in self.specs]
         share = lambda m: m.epochs(self.epochs) / self.epochs
-        filters = [m for m in ms if _judged_filter(m)] if self.controls else []
+        filters = [m for m in ms if m.chooses] if self.controls else []
         per_seed = len(self.specs) + len(self.others) + (3 + len(self.longer)) * len(filters)
         sched = sum(map(share, ms)) + sum(share(parse_method(p)) for p in self.others) + (3 + sum(self.longer)) * sum(map(share, filters))
         n = self.seeds * self.repeats
@@ -260,6 +150,26 @@ def default_threads(executor) -> int|None:
     n = getattr(executor, '_max_workers', None)
     return cores_each(n) if n else None
 
+# %% ../nbs/05b_plan.ipynb #2a286304
+@dataclass(frozen=True)
+class Running:
+    "How a comparison runs: where its fits train, on how many threads, where they are saved, and what it shows"
+    executor:object=None # runs the fits side by side: anything with `submit(fn, *args)` (`fit_executor(2)`, loky, dask, submitit); None: here
+    threads:int|None=None # compute threads of each fit; None: the cores shared out over a local pool's workers
+    folder:str|Path|None=None # save every run here, and resume from the runs saved here
+    resume:bool=True # reuse the runs saved in `folder`; False starts over
+    show_progress:bool=True # one progress bar over the whole comparison
+    show_fits:bool=False # fastai's own bar and table for every fit
+    on_run:object=None # `on_run(spec, seed, repeat, kind)` before each run is handed to the executor
+    diagnostics:bool=False # save each filter's diagnostics figure of the first seed in `folder`
+    warmup:bool=True # a few untimed steps first in each process that trains
+    def __post_init__(self):
+        if self.threads is not None: check_int('threads', self.threads, lo=1)
+        if self.folder is not None and Path(self.folder).exists() and not Path(self.folder).is_dir():
+            raise ValueError(f"`folder` must be a folder for the saved runs, got the file {self.folder}")
+    @property
+    def inline(self) -> bool: return self.executor is None or isinstance(self.executor, InlineExecutor)   # fits train in this process
+
 # %% ../nbs/05b_plan.ipynb #c5a87a5b
 def check_executor(executor, **objs):
     "Raise before anything trains when `executor` runs fits in threads of this process, or is a `ProcessPoolExecutor` that cannot pickle one of `objs` (named by its argument)"
@@ -291,21 +201,6 @@ def train_fit(make_learner, spec:str, seed:int, threads:int|None=None, warmup:bo
     t0 = time.perf_counter()
     r = run_fit(make_learner, spec, seed=seed, **kwargs)
     return r | dict(fit_s=time.perf_counter() - t0, threads=torch.get_num_threads())   # the threads it trained on: its seconds are read beside runs of the same
-
-RESUME_SHARE = .01   # on resuming, a saved control at a share this close to the one asked for stands for it: its fit differs by a point of each batch at most
-
-def near_saved(fit:Fit, # a fit about to train
-               saved:dict # saved runs by `Fit.key`
-              ) -> dict|None:
-    "A saved run that the control `fit` can reuse: random choice on the same seed, repeat and settings, at a share within `RESUME_SHARE` (the shares a method kept shift a little as seeds are added); None else"
-    m = judged_method(fit.spec)
-    if fit.kind != 'control' or 'keep' not in m.kw: return None
-    near = [(abs(float(judged_method(s).kw['keep']) - float(m.kw['keep'])), run) for (s, sd, rep), run in saved.items()
-            if (sd, rep) == (fit.seed, fit.repeat) and s != fit.spec and 'keep' in judged_method(s).kw and _like(s, fit.spec)]
-    near = [x for x in near if x[0] <= RESUME_SHARE + 1e-12]
-    if not near: return None
-    run = min(near, key=lambda x: x[0])[1]
-    return run | dict(reused_from=run['method'])
 
 def run_plan(plan:list, # the `Fit`s known now
              train, # `train(spec, seed)` -> the run: picklable for an executor of processes

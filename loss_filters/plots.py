@@ -6,7 +6,7 @@
 from __future__ import annotations
 import math
 from pathlib import Path
-from .runs import judged_method, control_specs, is_plain_schedule, BLIND
+from .methods import judged_method, control_specs, is_plain_schedule, BLIND
 from .verdicts import control_roles, payoff_word
 from .report import metric_label, short_label, ci_level
 
@@ -152,7 +152,6 @@ def save_figure(fig, path:Path) -> Path:
 # %% ../nbs/07_plots.ipynb #610f6598
 def plot_results(runs:list, target:float, out:Path, label:str='validation accuracy', sign:int=1) -> list:
     "Write the metric against training seconds, and the share kept per batch, as PNGs in `out`"
-    import matplotlib; matplotlib.use('Agg')
     out = Path(out)
     paths = [save_figure(time_figure(runs, target, label, sign), out / 'accuracy_vs_time.png')]
     fig = kept_figure(runs)
@@ -161,5 +160,4 @@ def plot_results(runs:list, target:float, out:Path, label:str='validation accura
 
 def plot_budget(rows:list, budgets:list, control_of:dict, out:Path, label:str='validation accuracy', sign:int=1) -> Path:
     "Write the final metric against work over the budget curve as a PNG in `out`"
-    import matplotlib; matplotlib.use('Agg')
     return save_figure(budget_figure(rows, budgets, control_of, label, sign), Path(out) / 'accuracy_vs_budget.png')

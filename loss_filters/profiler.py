@@ -12,7 +12,9 @@ from .core import plain, frozen_norm_stats, take
 from .geometry import per_example_gramian
 from .probe import GradientProbeCallback
 from .models import make_model, bench_learner
-from .runs import parse_method, sync_device, timed, learner_score_cost, StopAfter, EpochClock, seed_loaders
+from .methods import parse_method
+from .costs import timed, learner_score_cost
+from .runs import sync_device, StopAfter, EpochClock, seed_loaders
 
 # %% auto #0
 __all__ = ['plain_step_seconds', 'measure_score_cost', 'profile_step', 'profile_line', 'probe_cost']

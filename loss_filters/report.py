@@ -5,7 +5,7 @@
 # %% ../nbs/06a_report.ipynb #efa08144
 from __future__ import annotations
 import math, textwrap
-from .runs import judged_method, control_specs, BLIND
+from .methods import judged_method, control_specs, BLIND
 from .stats import seeds_needed
 from .verdicts import payoff_test, payoff_word
 

@@ -4,145 +4,24 @@
 
 # %% ../nbs/05_runs.ipynb #b84daf87
 from __future__ import annotations
-import functools, inspect, math, random, statistics, time
+import math, random, statistics, time
 from pathlib import Path
-from types import MappingProxyType
-from typing import Mapping, NamedTuple
 import torch
 from fastai.basics import Callback, CancelFitException, CancelTrainException, set_seed, find_bs
 from fastai.callback.progress import ProgressCallback   # also patches `Learner.no_bar`
 from fastai.callback.schedule import ParamScheduler     # also patches `Learner.fit_one_cycle`
-from .batch import BatchLossFilterCallback, SelectiveBackpropCallback, RandomBatchCallback, TopLossCallback, LossFilterCallback, proxy_opt
 from .core import plain, frozen_norm_stats, per_sample_loss
 from .proxy import first_output
-from .sampler import StaleLossPruningCallback, HideLearnedCallback, RandomPruningCallback, DropMislabeledCallback, plain_epoch_size
+from .sampler import plain_epoch_size
+from .methods import parse_method
+# the names' older home: each is now in the module of its idea
+from .methods import (METHODS, DEFAULT_METHODS, RUN_SETTINGS, BLIND, Method, RetiredMethod, judged_method, is_plain_schedule,
+                                  control_specs, work_slug, lower_is_better, metric_sign)
+from .records import upgrade_run, time_to_target, add_work, proxy_costs
 
 # %% auto #0
-__all__ = ['METHODS', 'DEFAULT_METHODS', 'RUN_SETTINGS', 'BLIND', 'is_plain_schedule', 'control_specs', 'work_slug', 'Method',
-           'parse_method', 'RetiredMethod', 'judged_method', 'lower_is_better', 'metric_sign', 'sync_device',
-           'fit_scored', 'reference_work', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule',
-           'seeded_proxy', 'upgrade_run', 'time_to_target', 'add_work', 'timed', 'StopAfter', 'check_learner',
-           'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs', 'proxy_costs']
-
-# %% ../nbs/05_runs.ipynb #dce50390
-_gn = dict(score='grad_norm')
-METHODS = dict(baseline=(None, {}), blf=(BatchLossFilterCallback, {}), sb=(SelectiveBackpropCallback, {}),
-               stale=(StaleLossPruningCallback, {}), blf_gn=(BatchLossFilterCallback, _gn),
-               sb_gn=(SelectiveBackpropCallback, _gn), stale_gn=(StaleLossPruningCallback, _gn),
-               hide=(HideLearnedCallback, {}), drop=(DropMislabeledCallback, {}),
-               topk=(TopLossCallback, {}),
-               random=(RandomPruningCallback, {}), random_batch=(RandomBatchCallback, {}))   # the random controls
-DEFAULT_METHODS = 'baseline blf sb stale'
-RUN_SETTINGS = ('epochs', 'lr_mult', 'same_work', 'reach')   # settings of the run, not of a callback: allowed on every method, the baseline too
-# `same_work=<method>`: a control trained at that method's own work (`work_slug` spells the method), which the comparison adds;
-# `reach=<method>`: random choice at that method's share on a longer schedule, so that random choice's curve reaches past the method's value
-
-def is_plain_schedule(spec:str) -> bool:
-    "Whether `spec` is the plain model on another schedule, as `plan.budget_specs` names it (its one setting `epochs`); False for a spelling no version of the package knows"
-    try: m = judged_method(spec)
-    except (ValueError, TypeError): return False
-    return m.cls is None and set(m.run) == {'epochs'}
-
-def control_specs(control_of:dict) -> list:
-    "Every control of `control_of` (method -> its controls), once each, in order; a method judged in its own right (one with controls) is not one"
-    methods = {m for m, cs in control_of.items() if cs}
-    return list(dict.fromkeys(c for cs in control_of.values() for c in cs if c not in methods))
-
-def work_slug(spec:str) -> str:
-    "`spec` spelled to sit inside another spec's settings: `'topk:proxy=.25,keep=.3'` -> `'topk/proxy=.25+keep=.3'`"
-    return str(spec).replace(':', '/').replace(',', '+')
-
-def _unslug(slug:str) -> str|None: return slug.replace('/', ':').replace('+', ',') or None   # `work_slug` read back; None for none
-
-def _value(s:str):
-    if s in ('True', 'False'): return s == 'True'
-    for f in (int, float):
-        try: return f(s)
-        except ValueError: pass
-    return s
-
-class Method(NamedTuple):
-    "A method spec parsed once: its spec string, filter class (None for the plain model), the filter's settings and the run's settings (read-only)"
-    spec:str; cls:type|None; kw:Mapping; run:Mapping
-    @property
-    def name(self) -> str: return self.spec.partition(':')[0]
-    @property
-    def filters(self) -> bool: return self.cls is not None   # trains with a filter or a random control
-    @property
-    def batch(self) -> bool: return self.cls is not None and issubclass(self.cls, LossFilterCallback)   # chooses within each batch
-    @property
-    def proxy(self) -> float|None: return self.run.get('proxy')   # the proxy's width share, when a proxy scores
-    @property
-    def ref_width(self) -> float|None: return self.run.get('ref_width')   # the cross-fitted references' width share, when smaller than the model
-    def epochs(self, default:int) -> int: return self.run.get('epochs', default)
-    @property
-    def at_work_of(self) -> str|None: return _unslug(self.run.get('same_work', ''))   # a control at that method's work: the method
-    @property
-    def reach_of(self) -> str|None: return _unslug(self.run.get('reach', ''))   # random choice run past that method's work: the method
-    def without(self, *keys) -> str:
-        "The spec with the settings `keys` left out, the others as written: `'blf:proxy=.25,min_loss_perc=.95'` without `proxy` is `'blf:min_loss_perc=.95'`"
-        args = [a for a in self.spec.partition(':')[2].split(',') if a.strip() and a.split('=', 1)[0].strip() not in keys]
-        return self.name + (':' + ','.join(a.strip() for a in args) if args else '')
-    def __str__(self) -> str: return self.spec
-
-def parse_method(spec:str|Method) -> Method:
-    "`'sb:keep=.3,epochs=4'` -> `Method('sb:keep=.3,epochs=4', SelectiveBackpropCallback, {'keep': .3}, {'epochs': 4})`: parsed and checked once per spec, a `Method` passed through"
-    return spec if isinstance(spec, Method) else _parse(str(spec))
-
-@functools.lru_cache(maxsize=None)
-def _parse(spec:str) -> Method:
-    name, _, args = spec.partition(':')
-    if name not in METHODS: raise ValueError(f"unknown method {name!r} in `methods`; choose from {', '.join(METHODS)}")
-    cls, defaults = METHODS[name]
-    kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if a.strip()))
-    run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy', 'ref_width') if k in kw}
-    if 'ref_width' in run:   # the references at that share of the model's widths: `make_proxy(width)` builds them
-        if cls is None or (kw.get('reference') != 'crossfit' and cls is not DropMislabeledCallback):
-            raise ValueError(f"`ref_width` in method {spec!r}: only a method with `reference=crossfit` (or `drop`) trains references")
-        if isinstance(run['ref_width'], bool) or not isinstance(run['ref_width'], (int, float)) or not 0 < run['ref_width'] <= 1:
-            raise ValueError(f"`ref_width` in method {spec!r} must be the references' share of the model's widths, in (0, 1], got {run['ref_width']!r}")
-    if 'proxy' in run:   # the batch filter scored by a proxy: `make_proxy(width)`, the model at that share of its widths
-        if cls is None or not issubclass(cls, LossFilterCallback):
-            raise ValueError(f"`proxy` in method {spec!r}: only a batch filter (blf, sb, topk, random_batch) scores by a proxy")
-        if isinstance(run['proxy'], bool) or not isinstance(run['proxy'], (int, float)) or not 0 < run['proxy'] <= 1:
-            raise ValueError(f"`proxy` in method {spec!r} must be the proxy's share of the model's widths, in (0, 1], got {run['proxy']!r}")
-    if not isinstance(run.get('epochs', 1), int) or run.get('epochs', 1) < 1:
-        raise ValueError(f"`epochs` in method {spec!r} must be an integer >= 1, got {run['epochs']!r}")
-    if not isinstance(run.get('lr_mult', 1), (int, float)) or not run.get('lr_mult', 1) > 0:
-        raise ValueError(f"`lr_mult` in method {spec!r} must be a number > 0, got {run['lr_mult']!r}")
-    if cls is None and kw: raise ValueError(f"`{name}` takes no settings but {', '.join(RUN_SETTINGS)}, got {kw}")
-    kw = {**defaults, **kw}
-    if cls is not None:   # bad settings fail now, not after the baseline has trained
-        known = set(inspect.signature(cls).parameters) - {'self', 'args', 'kwargs'}
-        if bad := sorted(set(kw) - known):
-            raise ValueError(f"method {spec!r}: `{name}` has no setting {', '.join(f'`{k}`' for k in bad)}; its settings are "
-                             f"{', '.join(sorted(known))}, and on every method {', '.join(RUN_SETTINGS)}")
-        cls(**kw)
-    return Method(spec, cls, MappingProxyType(kw), MappingProxyType(run))
-
-class RetiredMethod:
-    "Stands for the filter of a saved run that this version no longer has, or whose settings it no longer takes: judged from the run's numbers, never trained"
-
-def judged_method(spec:str|Method) -> Method:
-    "`parse_method(spec)`; for a saved run's method this version no longer knows, a `Method` with the class `RetiredMethod`, so its runs stay judgeable"
-    try: return parse_method(spec)
-    except (ValueError, TypeError):
-        name, _, args = str(spec).partition(':')
-        if name == 'baseline': raise
-        kw = dict((k.strip(), _value(v.strip())) for k, v in (a.split('=', 1) for a in args.split(',') if '=' in a))
-        run = {k: kw.pop(k) for k in RUN_SETTINGS + ('proxy', 'ref_width') if k in kw}
-        return Method(str(spec), RetiredMethod, MappingProxyType(kw), MappingProxyType(run))
-
-# %% ../nbs/05_runs.ipynb #01f1925d
-_LOWER = ('loss', 'error', 'mse', 'mae', 'rmse', 'msle', 'perplexity')
-
-def lower_is_better(name:str) -> bool:
-    "Whether a metric called `name` is better when lower: losses, error rates, squared and absolute errors, perplexity"
-    return any(w in name.lower() for w in _LOWER)
-
-def metric_sign(name:str, lower:bool|None=None) -> int:
-    "+1 for a metric that is better higher, -1 for one better lower (`lower`; guessed from `name` when None)"
-    return -1 if (lower_is_better(name) if lower is None else lower) else 1
+__all__ = ['sync_device', 'fit_scored', 'reference_work', 'proxy_work', 'EpochClock', 'seed_loaders', 'run_fit', 'CutSchedule',
+           'seeded_proxy', 'StopAfter', 'check_learner']
 
 # %% ../nbs/05_runs.ipynb #33640cd3
 def sync_device():
@@ -209,7 +88,6 @@ def _fit_one_cycle(learn, epochs:int, lr:float): learn.fit_one_cycle(epochs, lr)
 def _slug(spec:str) -> str: return ''.join(c if c.isalnum() or c in '._' else '_' for c in spec)
 
 def _save_diagnostics(cb, path:Path) -> str:
-    import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig = cb.plot_diagnostics()
     fig.savefig(path, dpi=100); plt.close(fig)
@@ -283,56 +161,7 @@ def seeded_proxy(make_proxy, width:float, seed:int, spec:str='') -> torch.nn.Mod
         torch.manual_seed(seed + 7919)
         return make_proxy(width)
 
-# %% ../nbs/05_runs.ipynb #4f5be553
-def upgrade_run(run:dict) -> dict:
-    "A copy of a saved run under today's names: `final_metric` and each check's `metric` (saved before as `final_accuracy` and `accuracy`), the metric oriented higher-is-better whatever it is"
-    r = {('final_metric' if k == 'final_accuracy' else k): v for k, v in run.items()}
-    if any('accuracy' in e for e in r.get('history') or ()): r['history'] = [{('metric' if k == 'accuracy' else k): v for k, v in e.items()} for e in r['history']]
-    return r
-
-def time_to_target(history:list, # checks: dicts with `metric` (the metric's value, oriented: higher is better) and `key`
-                   target:float, # the oriented target
-                   key:str='train_s' # the figure to read: `train_s`, `wall_s`, `work`
-                  ) -> float|None: # `key` where the metric reaches `target` to stay, interpolated between checks; None if its last check is below
-    "Training seconds (or another figure `key`, such as `work`) from which the history stays at or above `target` to its end: the same rule for every run, a method's and a plain schedule's"
-    hs = [e for e in history if e['metric'] is not None]
-    if not hs or hs[-1]['metric'] < target - 1e-9: return None   # a run that ends below the target has not reached it
-    i = len(hs) - 1
-    while i > 0 and hs[i - 1]['metric'] >= target - 1e-9: i -= 1   # back to the first check of the last stretch at or above it
-    e = hs[i]
-    if i == 0: return e[key]
-    prev = hs[i - 1]   # below the target: the crossing lies between the two checks
-    f = (target - prev['metric']) / (e['metric'] - prev['metric'])
-    return prev[key] + max(0., min(1., f)) * (e[key] - prev[key])
-
-BLIND = ('random', 'random_batch')   # the controls that choose at random: their choice needs no score
-
-def add_work(run:dict, score_cost:float, proxy_cost:dict|None=None,
-             ref_cost:dict|None=None) -> dict: # the references' `score` and `step` costs per example; default the model's own (`score_cost`, 1)
-    "Work in plain epochs at every check and in all: examples trained, plus scored ones at `score_cost` training steps each, plus the proxy's examples at `proxy_cost['score']` (no-grad) and `proxy_cost['step']` (trained), plus the references' trained and scored examples; a random control is charged its training only"
-    rc = ref_cost or dict(score=score_cost, step=1.)
-    if judged_method(run['method']).name in BLIND: score_cost, proxy_cost = 0., None   # it may score for its records, but random choice needs no score
-    pc = proxy_cost or dict(score=0., step=0.)
-    if (run.get('proxy_scored') or run.get('proxy_trained')) and proxy_cost is None and score_cost:
-        raise ValueError(f"the run of {run['method']!r} used a proxy: its work needs `proxy_cost`")
-    per = lambda e: (e['trained'] + score_cost * e['scored'] + pc['score'] * e.get('proxy_scored', 0) + pc['step'] * e.get('proxy_trained', 0)
-                     + rc['step'] * e.get('ref_trained', 0) + rc['score'] * e.get('ref_scored', 0)) / run['plain_epoch']
-    for e in run['history']: e['work'] = per(e)
-    run['work'] = per(run)
-    return run
-
 # %% ../nbs/05_runs.ipynb #ceae8d8f
-def timed(f, n:int, rounds:int=5) -> float:
-    "Seconds per call of `f`: the fastest of `rounds` rounds of `n` calls, after a warm-up (the least disturbed round)"
-    f(); sync_device()
-    best = math.inf
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n): f()
-        sync_device()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best
-
 class StopAfter(Callback):
     "Stop the fit after its first `n` training batches (a warm-up, a short timing), and keep their seconds per batch in `secs`"
     order = 100
@@ -365,69 +194,3 @@ def check_learner(learn, # a Learner that will not train on (its model is moved 
     devs = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
     with torch.no_grad(), frozen_norm_stats(learn.model), torch.random.fork_rng(devices=devs): pred = first_output(learn.model(*xb))
     per_sample_loss(learn.loss_func, plain(pred), *yb)   # a `TypeError` naming the loss when it cannot give one value per example
-
-def _timing(learn, *models) -> tuple:
-    "A training batch of `learn` (plain tensors), and a timed training step for each of `models` (on the loaders' device, in training mode) with an optimizer made as the Learner's"
-    xb, yb = _train_batch(learn)
-    def stepper(m):
-        m.to(learn.dls.device).train()
-        opt = proxy_opt(learn, m)   # `create_opt`'s rules on the Learner's `opt_func`, as the proxy's own
-        sched = {k: v for k, v in opt.hypers[-1].items() if k == 'mom'} | {'lr': 1e-6}
-        def step():
-            learn.loss_func(first_output(m(*xb)), *yb).backward()
-            for k, v in sched.items(): opt.set_hyper(k, [v])   # what fastai's scheduler writes each batch, and the proxy follows (at a rate of 1e-6)
-            opt.step(); opt.zero_grad()
-        return step
-    return xb, yb, [stepper(m) for m in models]
-
-def learner_score_cost(learn, n:int=10) -> float:
-    "What scoring an example costs in training steps on `learn`'s model: a no-grad forward (norm statistics frozen) over a training step"
-    net = learn.model   # its weights move a little (rate 1e-6): time it on a Learner that will not train on
-    xb, _, (step,) = _timing(learn, net)
-    def forward():
-        with torch.no_grad(), frozen_norm_stats(net): net(*xb)
-    return timed(forward, n) / timed(step, n)
-
-def learner_proxy_cost(learn, # a Learner that will not train on (its weights move a little)
-                       proxy:torch.nn.Module, # the proxy model
-                       n:int=10) -> dict: # calls per timing round
-    "What the proxy costs per example, in training steps of `learn`'s model: `score`, its no-grad forward; `step`, its forward, backward and step"
-    xb, _, (step, proxy_step) = _timing(learn, learn.model, proxy)
-    def forward():
-        with torch.no_grad(): proxy(*xb)
-    main = timed(step, n)
-    return dict(score=timed(forward, n) / main, step=timed(proxy_step, n) / main)
-
-
-def _flops(f) -> float:
-    "Floating-point operations `f()` runs, as `torch.utils.flop_counter` counts them (matrix products and convolutions, forward and backward)"
-    from torch.utils.flop_counter import FlopCounterMode
-    with FlopCounterMode(display=False) as fc: f()
-    return float(fc.get_total_flops())
-
-def learner_flop_costs(learn, # a Learner that will not train on (its model's gradients are put back, its norm statistics frozen)
-                       proxy:torch.nn.Module|None=None # a proxy scorer, or None
-                      ) -> dict|None:
-    "Per example, in training steps (forward and backward) of `learn`'s model, counted in operations on one training batch: `score`, a no-grad forward; with `proxy`, `proxy_score` and `proxy_step`. The same on every machine; None where the counter sees none of the model's operations"
-    xb, yb = _train_batch(learn)
-    def count(m, grad:bool) -> float:
-        m.to(learn.dls.device).train()
-        saved = [(p, p.grad) for p in m.parameters()]
-        def f():
-            with torch.set_grad_enabled(grad), frozen_norm_stats(m):
-                out = first_output(m(*xb))
-                if grad: learn.loss_func(out, *yb).backward()
-        try: return _flops(f)
-        finally:
-            for p, g in saved: p.grad = g   # the gradients as they were
-    devs = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devs):   # dropout's draws leave torch's random streams as they were
-        main = count(learn.model, True)
-        if not main > 0: return None
-        out = dict(score=count(learn.model, False) / main, step_flops=main / find_bs(yb))
-        if proxy is not None: out.update(proxy_score=count(proxy, False) / main, proxy_step=count(proxy, True) / main)
-    return out
-
-def proxy_costs(costs:dict) -> dict:
-    "A proxy's costs per example as `add_work` takes them, `dict(score=, step=)`: from `learner_flop_costs(learn, proxy)` (its `proxy_score`, `proxy_step`; its `score` is the model's own) or from a saved `dict(score=, step=)`"
-    return dict(score=costs.get('proxy_score', costs.get('score')), step=costs.get('proxy_step', costs.get('step')))

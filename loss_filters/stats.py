@@ -7,10 +7,31 @@ from __future__ import annotations
 import math
 import numpy as np
 from scipy import stats as _st
-from .core import check_range
+from .checks import check_range
 
 # %% auto #0
-__all__ = ['TYPICAL_LOG_SD', 'paired_test', 'shown', 'power', 'seeds_needed', 'curve_test', 'simulate']
+__all__ = ['TYPICAL_LOG_SD', 'Record', 'Test', 'Reading', 'paired_test', 'shown', 'power', 'seeds_needed', 'curve_test',
+           'simulate']
+
+# %% ../nbs/05a_stats.ipynb #8080c763
+class Record(dict):
+    "A read-only record: a dict that `json` saves as one, its fields read as keys or attributes, never changed"
+    def _frozen(self, *args, **kwargs): raise TypeError(f"a {type(self).__name__} is read-only: make a new one (`rec | dict(...)`)")
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = __ior__ = _frozen
+    def __getattr__(self, name):
+        try: return self[name]
+        except KeyError: raise AttributeError(name) from None
+    def __or__(self, other): return type(self)(dict(self) | dict(other))   # a new record with `other`'s fields
+    def __reduce__(self): return (type(self), (dict(self),))   # copied and pickled whole
+    def __repr__(self): return f"{type(self).__name__}({dict.__repr__(self)})"
+
+class Test(Record):
+    "A test over seeds: the estimate `est`, its interval `lo`..`hi` at `level`, and one-sided p-values at `alpha`"
+    @property
+    def shown(self) -> str|None: return shown(self)   # 'above', 'below' or 'not shown' at its level; None for one seed
+
+class Reading(Record):
+    "A method read against a control or a curve: the difference `diff`, its interval `lo`..`hi` at `level`, and the `verdict` word"
 
 # %% ../nbs/05a_stats.ipynb #c0257dd5
 def _clean(xs) -> list: return [float(x) for x in xs if x is not None and math.isfinite(x)]
@@ -29,7 +50,7 @@ def paired_test(xs:list, # one paired figure per seed (None: missing): ratios wh
     f, inv = (math.log, math.exp) if ratio else (float, float)
     ys, n = [f(x) for x in xs], len(xs)
     m, c = sum(ys) / n, f(null)
-    res = dict(n=n, est=inv(m), null=null, alpha=alpha, level=1 - 2 * alpha, ratio=ratio, lo=None, hi=None, sd=None,
+    res = Test(n=n, est=inv(m), null=null, alpha=alpha, level=1 - 2 * alpha, ratio=ratio, lo=None, hi=None, sd=None,
                p_above=None, p_below=None)
     if n < 2: return res   # one seed: no spread, no interval, no test
     sd = float(np.std(ys, ddof=1))
@@ -72,7 +93,7 @@ def curve_test(diffs:list, # one difference per seed: the method's value minus t
     xs = _clean(diffs)
     if not xs: return None
     n, m = len(xs), sum(xs) / len(xs)
-    res = dict(n=n, est=m, null=0., alpha=alpha, level=1 - 2 * alpha, ratio=False, lo=None, hi=None, sd=None, p_above=None, p_below=None, df=None)
+    res = Test(n=n, est=m, null=0., alpha=alpha, level=1 - 2 * alpha, ratio=False, lo=None, hi=None, sd=None, p_above=None, p_below=None, df=None)
     if n < 2: return res   # one seed: no spread of the method, no test
     sd = float(np.std(xs, ddof=1))
     a, b = sd ** 2 / n, max(float(curve_var), 0.)

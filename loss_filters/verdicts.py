@@ -5,12 +5,13 @@
 # %% ../nbs/06_verdicts.ipynb #afcfa65d
 from __future__ import annotations
 import math, statistics
-from .runs import judged_method, time_to_target, work_slug, control_specs, BLIND
-from .stats import paired_test, curve_test, shown
+from .methods import judged_method, work_slug, control_specs, BLIND
+from .records import time_to_target
+from .stats import paired_test, curve_test, shown, Reading
 
 # %% auto #0
-__all__ = ['DRIFT', 'per_seed', 'default_drop', 'summarise', 'plain_curve', 'stop_at_best', 'curve_at', 'curve_work', 'bend_room',
-           'random_points', 'alternative_work', 'equal_work', 'knee_target', 'best_plain', 'control_roles',
+__all__ = ['DRIFT', 'per_seed', 'default_drop', 'at_target', 'summarise', 'plain_curve', 'stop_at_best', 'curve_at', 'curve_work',
+           'bend_room', 'random_points', 'alternative_work', 'equal_work', 'knee_target', 'best_plain', 'control_roles',
            'seconds_unread', 'speed_drift', 'add_verdicts', 'payoff_test', 'payoff_word']
 
 # %% ../nbs/06_verdicts.ipynb #6271835c
@@ -43,6 +44,13 @@ def default_drop(plain_value:float) -> float:
     "The default target's distance under the plain model's final value: 0.2 points of a share metric, 0.2% of the value of any other"
     return .002 * max(1., abs(plain_value))
 
+def at_target(runs:list, target:float) -> list:
+    "Copies of `runs`, each with its time and work to `target` and its ratios to the same seed's plain run"
+    out = [r | dict(target_s=time_to_target(r['history'], target),
+                    work_to_target=time_to_target(r['history'], target, 'work') if 'work' in r else None) for r in runs]
+    by_seed = {_seed_repeat(r): r for r in out if r['method'] == 'baseline'}   # each run against the plain run of its own seed and repeat
+    return [r | {k: _ratio(b.get(f), r.get(f)) if (b := by_seed.get(_seed_repeat(r))) else None for k, f in _paired.items()} for r in out]
+
 def summarise(runs:list, target:float|None=None, target_drop:float|None=None, alpha:float=.05) -> tuple:
     "Median and spread per method of every figure, time and work to `target` (default the plain model's median final value less `target_drop`, `default_drop` when None), and paired speedups over the same seed's baseline with a t interval at `1 - 2*alpha`"
     methods = list(dict.fromkeys(r['method'] for r in runs))
@@ -51,13 +59,8 @@ def summarise(runs:list, target:float|None=None, target_drop:float|None=None, al
         if not base: raise ValueError("without a `baseline` method the `target` accuracy must be given")
         med = _med([r['final_metric'] for r in base])[0]
         target = med - (default_drop(med) if target_drop is None else target_drop)
-    for r in runs:
-        r['target_s'] = time_to_target(r['history'], target)
-        r['work_to_target'] = time_to_target(r['history'], target, 'work') if 'work' in r else None
-    by_seed = {_seed_repeat(r): r for r in base}
-    for r in runs:   # paired: each run against the baseline of its own seed (and repeat), run back to back with it; never another seed's
-        b = by_seed.get(_seed_repeat(r))
-        for k, f in _paired.items(): r[k] = _ratio(b.get(f), r.get(f)) if b else None
+    runs = at_target(runs, target)   # copies: the runs given are read, never written into
+    by_seed = {_seed_repeat(r): r for r in runs if r['method'] == 'baseline'}
     rows = []
     for m in methods:
         rs = [r for r in runs if r['method'] == m]
@@ -213,7 +216,7 @@ def equal_work(runs:list, # the runs of a comparison
     alt = lambda d: (lambda w, c, by: (w / work, c, by))(*alternative_work(curve, rand, base + d))
     bx, bxc, by = alt(t['est'])
     (blo, bloc, _), (bhi, bhic, _) = (alt(t['lo']), alt(t['hi'])) if t['lo'] is not None else ((None, None, None),) * 2
-    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=verdict, how=how,
+    return Reading(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=verdict, how=how,
                 work=work, curve_value=base, bend=bend, x=x, x_censored=xc, x_lo=lo, x_lo_censored=loc, x_hi=hi, x_hi_censored=hic,
                 best_x=bx, best_x_censored=bxc, best_by=by, best_x_lo=blo, best_x_lo_censored=bloc, best_x_hi=bhi, best_x_hi_censored=bhic)
 
@@ -239,7 +242,7 @@ def _acc_test(diffs:list, alpha:float) -> dict|None:
     if None in diffs: return None
     t = paired_test(diffs, alpha)
     if t is None: return None
-    return dict(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)])
+    return Reading(diff=t['est'], lo=t['lo'], hi=t['hi'], n=t['n'], sd=t['sd'], level=t['level'], alpha=alpha, verdict=_WORDS[shown(t)])
 
 def best_plain(rows:list, plain:list, target:float) -> dict:
     "The cheapest plain schedule to `target`, in training seconds and in work: the plain runs' costs to it, and where the budget curve crosses it"
@@ -295,7 +298,7 @@ def control_roles(method:str, controls:list) -> dict:
     for c in map(judged_method, controls):
         if c.reach_of: continue   # random choice past the method's work: a point of random choice's curve, no role of its own
         at = c.run.get('same_work') == work_slug(method)
-        out.setdefault(('same_plain' if c.cls is None else 'same_random') if at else 'random' if c.name in BLIND else 'rate' if c.cls is None else 'self', c.spec)
+        out.setdefault(('same_plain' if c.plain else 'same_random') if at else 'random' if c.name in BLIND else 'rate' if c.plain else 'self', c.spec)
     return out
 
 def _second_reading(r:dict, runs:list, plain:list, target:float, alpha:float):
@@ -319,7 +322,7 @@ DRIFT = 1.5   # the most the plain model's seconds per epoch of work may spread 
 
 def speed_drift(runs:list, bound:float=DRIFT) -> str|None:
     "Why seconds cannot be read where the machine's speed changed during the sitting: the plain model's runs, which do the same work per epoch, spread past `bound` in seconds per epoch of work; None where they hold steady"
-    rates = sorted(r['train_s'] / r['work'] for r in runs if judged_method(r['method']).cls is None and r.get('work') and r.get('train_s'))
+    rates = sorted(r['train_s'] / r['work'] for r in runs if judged_method(r['method']).plain and r.get('work') and r.get('train_s'))
     if len(rates) < 2: return None
     q = statistics.quantiles(rates, n=10, method='inclusive')
     lo, hi = q[0], q[-1]
@@ -329,6 +332,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
                  alpha:float=.05, margin:float=.002, unit:str='points') -> list:
     "Each method at equal work against the plain curve (the first reading), to `target` against the cheapest plain schedule (the second), against its random control and the plain model, tested over seeds at `alpha`"
     by = {r['method']: r for r in rows}
+    if runs and target is not None: runs = at_target(runs, target)   # each run's time and work to the target, on copies
     plain = [m for m in ['baseline', *budgets] if m in by]
     pcurve = sorted((by[m]['work'], by[m]['final_metric'], 0.) for m in plain if by[m].get('work') is not None)
     controls = control_specs(control_of)
@@ -364,7 +368,7 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
                 d = _paired_diffs(m, _run_of('baseline'), runs)
                 r['vs_plain'] = _acc_test(d, alpha)
                 held = shown(paired_test(d, alpha, null=-margin))
-                if r['vs_plain']: r['vs_plain'].update(margin=margin, holds=None if held is None else held == 'above')
+                if r['vs_plain']: r['vs_plain'] = r['vs_plain'] | dict(margin=margin, holds=None if held is None else held == 'above')
             for k in ('vs_random', 'vs_random_work', 'vs_plain', 'vs_self'):
                 if k in r and r[k] is None: del r[k]
         else:   # medians only: the differences, without a test

@@ -97,9 +97,9 @@ def test_bad_methods_fail_before_training():
     with pytest.raises(ValueError, match='target'): summarise([dict(method='sb', history=[])])
 
 def test_method_settings_parse_numbers_and_booleans():
-    _, cls, kw, run = parse_method('hide:follow_lr=True,max_hide=.5,lr_scale=False,epochs=4')
-    assert kw == dict(follow_lr=True, max_hide=.5, lr_scale=False) and run == dict(epochs=4)
-    assert cls(**kw).follow_lr is True
+    m = parse_method('hide:follow_lr=True,max_hide=.5,lr_scale=False,epochs=4')
+    assert m.kw == dict(follow_lr=True, max_hide=.5, lr_scale=False) and m.run == dict(epochs=4)
+    assert m.cls(**m.kw).follow_lr is True
 
 @pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_console_script_help():

@@ -55,7 +55,7 @@ def test_exact_work_on_a_tiny_run():
 def test_each_method_spec_is_parsed_once_and_passed_along(monkeypatch):
     "A comparison with its controls and verdicts: every spec (methods, shorter schedules, random controls) parsed and checked once, a `Method` after"
     import collections, functools
-    import loss_filters.runs as runs_mod
+    import loss_filters.methods as runs_mod   # the spec language's module
     seen, inner = collections.Counter(), runs_mod._parse.__wrapped__
     def counted(spec): seen[spec] += 1; return inner(spec)
     monkeypatch.setattr(runs_mod, '_parse', functools.lru_cache(maxsize=None)(counted))
@@ -207,7 +207,7 @@ def test_a_target_fixed_from_reference_seeds_it_does_not_judge(tmp_path):
 
 def test_work_is_counted_in_operations_by_default():
     cmp = compare_filters(tab_learner, 'baseline blf', epochs=2, lr=1e-2, seeds=1, controls=False, show_progress=False)
-    from loss_filters.runs import learner_flop_costs
+    from loss_filters.costs import learner_flop_costs
     assert cmp.settings['work'] == 'flops' and cmp.settings['score_cost'] == pytest.approx(learner_flop_costs(tab_learner())['score'])
     assert cmp.settings['score_cost_timed'] > 0   # the measured timing ratio, kept beside
     timed = compare_filters(tab_learner, 'baseline blf', epochs=2, lr=1e-2, seeds=1, controls=False, show_progress=False, work='time')

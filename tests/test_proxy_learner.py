@@ -295,7 +295,7 @@ def test_fill_batch_refuses_only_loaders_that_pad_their_batches():
 @pytest.mark.parametrize('how', ['fastai', 'wrapper'])
 def test_the_timed_proxy_cost_steps_both_models_with_the_learners_optimizer(digits, how):
     "The proxy's timed step cost is charged with the optimizer the proxy trains with (and the model's with the Learner's), not a stand-in"
-    from loss_filters.runs import learner_proxy_cost
+    from loss_filters.costs import learner_proxy_cost
     made = []
     base = Adam if how == 'fastai' else partial(OptimWrapper, opt=torch.optim.AdamW)
     def opt_func(params, **kw):

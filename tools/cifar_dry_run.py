@@ -22,7 +22,8 @@ from fastai.torch_core import find_bs
 from loss_filters.batch import RandomBatchCallback
 from loss_filters.core import should_select
 from loss_filters.data import cifar10_dls, cifar10_setting, make_cifar_like
-from loss_filters.runs import learner_score_cost, parse_method, sync_device
+from loss_filters.costs import learner_score_cost
+from loss_filters.runs import parse_method, sync_device
 from loss_filters.plan import budget_specs
 
 

@@ -1,0 +1,38 @@
+"The package's floors: the judge without torch, and the spec language's data pinned to the callbacks it names"
+import inspect, subprocess, sys
+import pytest
+from loss_filters.methods import METHODS, SETTINGS, BATCH, judged_method, parse_method
+
+JUDGE = ('checks', 'methods', 'records', 'rules', 'stats', 'verdicts', 'report', 'plots', 'comparison')
+
+def test_the_judge_and_saved_runs_need_neither_torch_nor_fastai():
+    code = (f"import sys\nfor m in {JUDGE!r}: __import__('loss_filters.' + m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'fastai')))")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == '[]', out
+
+@pytest.mark.parametrize('name', sorted(SETTINGS))
+def test_settings_are_the_callbacks_own(name):
+    "`SETTINGS` lets the judge read a method without its class: it must be exactly what the class takes, with its defaults"
+    cls = parse_method(name).cls
+    sig = {k: p.default for k, p in inspect.signature(cls).parameters.items() if k not in ('self', 'args', 'kwargs')}
+    assert SETTINGS[name] == sig
+    from loss_filters.batch import LossFilterCallback
+    assert (name in BATCH) == issubclass(cls, LossFilterCallback)
+
+SPECS = ['blf', 'blf_gn', 'sb', 'sb:start=.2,interrupt=0', 'topk:fill_batch=True', 'random_batch:keep=.3,skip_epochs=1', 'stale',
+         'stale:anneal=0,lr_scale=True', 'hide', 'hide:lr_scale=False', 'drop', 'random', 'random:from_first=True,lr_scale=True']
+
+@pytest.mark.parametrize('spec', SPECS)
+def test_what_the_rules_read_matches_the_built_callback(spec):
+    "The settings the control rules copy, read without the class, are those of the callback built from the spec"
+    m = parse_method(spec)
+    cb = m.cls(**m.kw)
+    keys = ('start', 'end', 'interrupt', 'skip_epochs', 'fill_batch') if m.batch else ('anneal', 'lr_scale')
+    assert {k: judged_method(spec).setting(k) for k in keys} == {k: getattr(cb, k) for k in keys}
+    if not m.batch: assert judged_method(spec).prunes_first == cb.prunes_first
+
+def test_every_method_name_parses_and_judges_alike():
+    for name in METHODS:
+        a, b = parse_method(name), judged_method(name)
+        assert (a.plain, a.batch, a.chooses, dict(a.kw)) == (b.plain, b.batch, b.chooses, dict(b.kw))
