@@ -9,4 +9,5 @@ __all__ = []
 import warnings
 from .batch import *
 from .batch import __all__
-warnings.warn("`loss_filters.callback` is the old name of `loss_filters.batch`: import from `loss_filters.batch` (the old path goes in 0.2)", FutureWarning, stacklevel=2)
+warnings.warn("`loss_filters.callback` is the old name of `loss_filters.batch`: import from `loss_filters.batch` (the old path goes in 0.2)",
+              FutureWarning, stacklevel=2)

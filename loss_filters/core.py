@@ -22,7 +22,7 @@ def check_range(name:str, # the argument's name, used in the message
                 value:float, # the value to check
                 lo:float, hi:float, # the bounds
                 lo_open:bool=False, hi_open:bool=False): # whether a bound is excluded
-    "Raise a `TypeError` naming `name` unless `value` is a real number (not a bool), a `ValueError` unless it lies between `lo` and `hi`"
+    "Check that `value` is a real number between `lo` and `hi`, with an error naming `name` if not"
     rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number in {rng}, got {value!r} of type {type(value).__name__}")
@@ -33,7 +33,7 @@ def check_range(name:str, # the argument's name, used in the message
 def check_int(name:str, # the argument's name, used in the message
               value:int, # the value to check
               lo:int=0): # the least value allowed
-    "Raise a `TypeError` naming `name` unless `value` is an integer (not a bool), a `ValueError` unless it is at least `lo`"
+    "Check that `value` is an integer of at least `lo`, with an error naming `name` if not"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an integer >= {lo}, got {value!r} of type {type(value).__name__}")
     if value < lo: raise ValueError(f"`{name}` must be an integer >= {lo}, got {value!r}")
@@ -41,7 +41,7 @@ def check_int(name:str, # the argument's name, used in the message
 
 # %% ../nbs/00_core.ipynb #df222411
 def _reduction_route(loss_func) -> str|None:
-    "How `loss_func` can be asked for per-example values: its `reduction` attribute, a `reduction=` keyword, or not at all"
+    "How to ask `loss_func` for per-example values: a `reduction` attribute, a `reduction=` keyword, or None"
     if hasattr(loss_func, 'reduction'): return 'attr'
     try: params = inspect.signature(loss_func).parameters
     except (TypeError, ValueError): return None
@@ -71,12 +71,12 @@ def _per_example(losses:Tensor, bs:int, loss_func) -> Tensor:
 
 # %% ../nbs/00_core.ipynb #d7039233
 def _is_flat(loss_func, pred, yb) -> bool:
-    "Whether `loss_func` is fastai's `BaseLoss` wrapper itself (`CrossEntropyLossFlat`...), called on one plain tensor target"
+    "Whether `loss_func` is fastai's `BaseLoss` (`CrossEntropyLossFlat`...) on one plain tensor target"
     return (getattr(type(loss_func).__call__, '__qualname__', '') == 'BaseLoss.__call__' and len(yb) == 1
             and type(pred) is Tensor and type(yb[0]) is Tensor)
 
 def _flat_loss(f, inp:Tensor, targ:Tensor) -> Tensor:
-    "What fastai's `BaseLoss.__call__` computes, on plain tensors: it wraps them in `TensorBase`, whose every op dispatches in Python"
+    "What fastai's `BaseLoss.__call__` computes, done on plain tensors"
     inp, targ = inp.transpose(f.axis, -1).contiguous(), targ.transpose(f.axis, -1).contiguous()
     if f.floatify and targ.dtype != torch.float16: targ = targ.float()
     if targ.dtype in (torch.int8, torch.int16, torch.int32): targ = targ.long()
@@ -99,7 +99,7 @@ def per_sample_loss(loss_func, # a torch/fastai loss module, or a function takin
 
 # %% ../nbs/00_core.ipynb #dc62fb88
 def _plain_ce(loss_func) -> int|None:
-    "The `ignore_index` of a plain softmax cross-entropy (no class weights, no label smoothing), else None"
+    "The `ignore_index` of a plain softmax cross-entropy (no class weights or label smoothing), else None"
     f = loss_func
     if hasattr(f, 'func') and hasattr(f, 'flatten'):   # fastai's `BaseLoss` wrappers
         if not f.flatten or f.floatify or f.axis not in (-1, 1): return None
@@ -201,8 +201,8 @@ class ScoreHistogram:
         c[self.rows // 2:] = 0
         self.stride, self.n_rows = self.stride * 2, (self.n_rows + 1) // 2
 
-    def table(self) -> tuple:
-        "(`counts` of shape `[n_rows, 2, bins]` on the CPU (all, kept), first iteration of each row, bin `edges`)"
+    def table(self) -> tuple: # (`counts` `[n_rows, 2, bins]` on the CPU (all, kept), first iteration of each row, bin `edges`)
+        "The histogram's counts, the first iteration of each row and the bin edges"
         c = self.counts[:self.n_rows].cpu() if self.counts is not None else torch.zeros(0, 2, self.bins, dtype=torch.int64)
         return c, torch.arange(len(c)) * self.stride, self.edges
 
@@ -227,7 +227,7 @@ def acc_dtype(t:Tensor) -> torch.dtype:
 # %% ../nbs/00_core.ipynb #9e618dbb
 @functools.lru_cache(maxsize=64)
 def _rank_weights(n:int, keep:float, device) -> Tensor:
-    "Weight of rank i of n: `((i + 0.5) / n) ** (1/keep - 1)`, scaled so the top rank weighs 1 (no underflow for tiny `keep`)"
+    "Weight of rank i of n: `((i + 0.5) / n) ** (1/keep - 1)`, scaled so the top rank weighs 1"
     pct = (torch.arange(n, device=device, dtype=torch.float32) + .5) / n
     return (pct / pct[-1]) ** (1/keep - 1)
 
@@ -249,7 +249,7 @@ def select_by_loss_share(losses:Tensor, # per-example losses, shape `[n]`, non-n
                          min_loss_perc:float=.9, # keep at least this share of the total loss, in [0, 1]
                          min_sample_perc:float=0. # and at least this share of the examples, in [0, 1]
                         ) -> Tensor: # indices of the kept examples, hardest first
-    "Batch Loss Filter: the smallest set of highest-loss examples carrying `min_loss_perc` of the batch's loss"
+    "Batch Loss Filter: the fewest highest-loss examples carrying `min_loss_perc` of the batch's loss"
     _check_losses(losses)
     check_range('min_loss_perc', min_loss_perc, 0, 1)
     check_range('min_sample_perc', min_sample_perc, 0, 1)
@@ -287,7 +287,7 @@ def prune_by_stale_loss(losses:Tensor, # the last known loss of every example of
                         prune:float=.5, # share of the below-mean examples to drop, in [0, 1)
                         generator:torch.Generator|None=None # random source, on the losses' device
                        ) -> tuple: # (`keep`: bool mask, `weights`: 1, or `1/(1-prune)` for kept below-mean examples)
-    "InfoBatch-style pruning: drop a random share `prune` of the below-mean-loss examples, up-weight the rest of them"
+    "InfoBatch-style pruning: drop a random share of the below-mean-loss examples, up-weight the rest"
     _check_losses(losses)
     check_range('prune', prune, 0, 1, hi_open=True)
     known = ~losses.isnan()
@@ -304,7 +304,7 @@ def hide_learned(losses:Tensor, # the last known loss of every example of the da
                  max_hide:float=.3, # most of the dataset hidden, as a share, in [0, 1)
                  max_loss:float=.1 # only examples whose loss is at most this are hidden, >= 0
                 ) -> Tensor: # `keep`: bool mask, False for the hidden examples
-    "KAKURENBO-style hiding: the lowest-loss known examples at or below `max_loss`, at most `floor(max_hide*n)` of them"
+    "KAKURENBO-style hiding: hide the lowest-loss known examples, those at or below `max_loss`"
     _check_losses(losses)
     check_range('max_hide', max_hide, 0, 1, hi_open=True)
     if not max_loss >= 0: raise ValueError(f"`max_loss` must be >= 0, got {max_loss!r}")
@@ -318,7 +318,7 @@ def share_by_rate(share:float, # the share at the fit's peak learning rate, in [
                   lr_ahead:float, # the highest learning rate still ahead in the fit, >= 0
                   lr_peak:float # the fit's highest learning rate, > 0
                  ) -> float: # `share * min(1, lr_ahead/lr_peak)`
-    "KAKURENBO's step-down: the hidden share follows the rate once it decays (all of `share` while the peak is still ahead)"
+    "KAKURENBO's step-down: the hidden share follows the learning rate once it decays"
     check_range('share', share, 0, 1, hi_open=True)
     check_range('lr_ahead', lr_ahead, 0, math.inf)
     check_range('lr_peak', lr_peak, 0, math.inf, lo_open=True)
@@ -328,7 +328,7 @@ def prune_at_random(n:int, # examples in the dataset
                     keep:float, # share of them to keep, in (0, 1]
                     generator:torch.Generator|None=None, # random source, on `device`
                     device=None) -> Tensor: # bool mask of the kept examples, `round(keep*n)` of them (at least 1)
-    "The random control of sampler-level pruning: a uniformly random share `keep` of the dataset, whatever the losses"
+    "The random control of sampler-level pruning: a uniformly random share `keep` of the dataset"
     check_range('keep', keep, 0, 1, lo_open=True)
     mask = torch.zeros(n, dtype=torch.bool, device=device)
     mask[torch.randperm(n, generator=generator, device=device)[:max(1, _count(keep, n, round))]] = True
@@ -338,7 +338,7 @@ def select_at_random(losses:Tensor, # per-example losses, shape `[n]` (only thei
                      keep:float, # share of the batch to keep, in (0, 1]
                      generator:torch.Generator|None=None # random source, on the losses' device
                     ) -> Tensor: # indices of `max(1, round(keep*n))` examples drawn uniformly
-    "The random control of batch-level selection: the same number of examples a filter keeps, chosen blind"
+    "The random control of batch-level selection: as many examples as a filter keeps, chosen blind"
     _check_losses(losses)
     check_range('keep', keep, 0, 1, lo_open=True)
     n = losses.shape[0]
@@ -349,20 +349,20 @@ def reweighted_loss(loss:Tensor, # the batch's loss as the user's loss function 
                     losses:Tensor, # the same batch's per-example losses, shape `[n]`
                     weights:Tensor # a weight per example, shape `[n]`
                    ) -> Tensor: # `sum(weights*losses)`, reduced by the factor that took `sum(losses)` to `loss`
-    "The batch loss with each example's loss weighted, reduced as the user's loss reduced the unweighted one"
+    "The batch loss with weighted per-example losses, reduced as the user's loss reduces the batch"
     total = losses.detach().sum()
     scale = torch.where(total != 0, loss.detach() / total, loss.new_tensor(1 / max(len(losses), 1)))   # no grad through it
     return (losses * weights).sum() * scale
 
 # %% ../nbs/00_core.ipynb #e308b8c1
 def plain(o):
-    "`o` with every tensor (in nested tuples too) viewed as a plain `torch.Tensor`: no fastai type dispatch"
+    "`o` with every tensor (in nested tuples too) viewed as a plain `torch.Tensor`"
     if isinstance(o, Tensor): return o if type(o) is Tensor else o.as_subclass(Tensor)
     if isinstance(o, (tuple, list)): return type(o)(plain(t) for t in o)
     return o
 
 def map_batch(f, b):
-    "Apply `f` to every tensor of the (nested) batch tuple `b`; anything else in it is an error naming its type"
+    "Apply `f` to every tensor of the (nested) batch tuple `b`"
     if isinstance(b, Tensor): return f(b)
     if isinstance(b, (tuple, list)): return type(b)(map_batch(f, t) for t in b)
     raise TypeError(f"a loss filter can only subset a batch of tensors (tuples of them too), got a {type(b).__name__}: "
@@ -415,7 +415,7 @@ def score_examples(model:nn.Module, # the model, in the mode the training step u
                    after_pred=None, # a function of the prediction, applied before the loss
                    autocast=None, # a context manager for the pass's precision (`torch.autocast`); None: full precision
                    norms:list|None=None): # the model's norm layers, if already found
-    "Per-example losses and scores (float, plain tensors) of the batch, from a no-grad forward pass that leaves no trace in the model"
+    "Per-example losses and scores of the batch, from a no-grad forward pass that leaves no trace"
     with torch.no_grad(), (autocast or nullcontext()), frozen_norm_stats(model, norms):
         pred = model(*downsample(plain(tuple(xb)), scale_factor))
         if after_pred is not None: pred = after_pred(pred)
@@ -424,7 +424,7 @@ def score_examples(model:nn.Module, # the model, in the mode the training step u
 
 # %% ../nbs/00_core.ipynb #0b63721c
 def check_schedule(start:float, end:float, interrupt:int):
-    "Raise a `ValueError` (or a `TypeError`, for a wrong type) naming the argument when `start`, `end` or `interrupt` is out of range"
+    "Raise an error naming the argument when `start`, `end` or `interrupt` is out of range"
     check_range('start', start, 0, 1)
     check_range('end', end, 0, 1)
     if start > end: raise ValueError(f"`start` must be <= `end`, got start={start}, end={end}")
@@ -459,11 +459,11 @@ def all_reduce_sum(t:Tensor) -> Tensor:
 
 # %% ../nbs/00_core.ipynb #d268f772
 def forked_seed() -> int:
-    "A seed drawn from torch's global CPU stream, leaving it where it was: the run's seed makes it, and nothing the run draws next moves"
+    "A seed drawn from torch's global CPU stream, leaving the stream where it was"
     with torch.random.fork_rng(devices=[]): return int(torch.randint(0, 2**31 - 1, ()))
 
 def own_generator(device=None) -> torch.Generator:
-    "A new generator on `device`, seeded from torch's global one without moving it; rank 0's seed on every rank"
+    "A new generator on `device`, seeded from torch's global one without moving it"
     with torch.random.fork_rng(devices=[]): seed = torch.randint(2**62, (), dtype=torch.int64)
     seed = int(all_reduce_sum(seed * (dist_world()[0] == 0)))
     return torch.Generator(device=device or 'cpu').manual_seed(seed)
@@ -481,14 +481,15 @@ def crossfit_folds(n:int, # examples in the training set
 def reducible_loss(losses:Tensor, # the model's per-example losses, shape `[n]`
                    reference:Tensor # the reference's losses of the same examples, shape `[n]`
                   ) -> Tensor:
-    "What the model can still learn from each example: its loss minus the reference's (negative where the reference does worse)"
+    "What the model can still learn from each example: its loss minus the reference's"
     _check_losses(losses)
-    if reference.shape != losses.shape: raise ValueError(f"`reference` must hold one loss per example, shape {tuple(losses.shape)}, got {tuple(reference.shape)}")
+    if reference.shape != losses.shape:
+        raise ValueError(f"`reference` must hold one loss per example, shape {tuple(losses.shape)}, got {tuple(reference.shape)}")
     return losses - reference.to(losses.device, losses.dtype)
 
 def agrees_with_label(pred:Tensor, # a classifier's output, `[n, classes]`
                       *yb) -> Tensor|None: # the targets: one class index per example
-    "Whether each example's predicted class is its label; None where the output or the target has no single class per example"
+    "Whether each example's predicted class is its label"
     if len(yb) != 1 or not isinstance(pred, Tensor) or pred.ndim != 2 or not isinstance(yb[0], Tensor): return None
     y = yb[0]
     if y.ndim != 1 or y.is_floating_point() or len(y) != len(pred): return None

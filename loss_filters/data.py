@@ -106,7 +106,7 @@ class TensorSet:
     def new_empty(self): return TensorSet(*(t[:0] for t in self.tensors), c=self.c, n_inp=self.n_inp)
     @classmethod
     def from_items(cls, items, c:int|None=None, n_inp:int=1):
-        "The items of a list (tensors, or tuples of them: `learn.predict`'s and `dls.test_dl`'s items) stacked into a `TensorSet`"
+        "The items of a list (tensors, or tuples of them) stacked into a `TensorSet`"
         items = [i if isinstance(i, (tuple, list)) else (i,) for i in items]
         return cls(*(torch.stack([torch.as_tensor(x) for x in col]) for col in zip(*items)), c=c, n_inp=n_inp)
 
@@ -124,7 +124,7 @@ class TensorDL(DataLoader):
             yield tuple(t[b.to(t.device)] for t in self.dataset.tensors)
 
     def decode_batch(self, b, max_n:int=9, full:bool=True) -> list:
-        "The batch `b` as a list of per-example tuples (the tensors need no decoding), as `learn.predict` reads it"
+        "The batch `b` as a list of per-example tuples, as `learn.predict` reads it"
         return [tuple(t[i] for t in b) for i in range(min(max_n, len(b[0])))]
     def decode(self, b): return b
 
@@ -137,7 +137,8 @@ class TensorDL(DataLoader):
     def _show(self, b, out, max_n:int):
         import matplotlib.pyplot as plt
         x, y = b[0], b[self.dataset.n_inp] if len(b) > self.dataset.n_inp else None
-        if x.ndim != 4: raise ValueError(f"a `TensorDL` shows images (a batch of shape [n, channels, height, width]), got inputs of shape {tuple(x.shape)}")
+        if x.ndim != 4:
+            raise ValueError(f"a `TensorDL` shows images (a batch of shape [n, channels, height, width]), got inputs of shape {tuple(x.shape)}")
         n = min(max_n, len(x)); cols = math.ceil(math.sqrt(n))
         fig, axs = plt.subplots(math.ceil(n / cols), cols, figsize=(2 * cols, 2 * math.ceil(n / cols)), squeeze=False)
         for i, ax in enumerate(axs.flat):
@@ -158,7 +159,7 @@ def tensor_dls(x_train:Tensor, y_train:Tensor, x_valid:Tensor, y_valid:Tensor,
                device:str|torch.device|None=None, # where the tensors live; default: fastai's default device
                c:int|None=None # number of classes; default: inferred from the targets
               ) -> DataLoaders:
-    "`DataLoaders` over in-memory tensors: shuffled training batches (last partial one dropped), ordered validation"
+    "`DataLoaders` over in-memory tensors: shuffled training batches, ordered validation"
     check_int('bs', bs, 1)
     if val_bs is not None: check_int('val_bs', val_bs, 1)
     for split, x, y in (('train', x_train, y_train), ('valid', x_valid, y_valid)):
@@ -171,7 +172,7 @@ def tensor_dls(x_train:Tensor, y_train:Tensor, x_valid:Tensor, y_valid:Tensor,
                        TensorDL(mk(x_valid, y_valid), bs=val_bs or 2 * bs, device=device), device=device)
 
 class CropFlip:
-    "A batch transform for training images: a random crop after zero padding by `pad`, and a random horizontal flip, per image"
+    "A batch transform for training images: a random crop after zero padding, and a random flip, per image"
     def __init__(self, pad:int=2, # pixels of zero padding on each side before cropping back to the input's size
                  flip:bool=True): # also flip each image left-right with probability 1/2
         self.pad, self.flip = pad, flip
@@ -211,8 +212,10 @@ def noisy_labels(y:Tensor, # class labels
                  share:float, # share of the labels to change, in [0, 1)
                  c:int|None=None, # number of classes; default: `y.max()+1`
                  seed:int=0,
-                 among:tuple|None=None) -> Tensor: # groups of classes a person confuses (`CONFUSABLE`): only their labels change, each to another of its group
-    "A copy of `y` where a random `share` of the labels is changed to another class, drawn uniformly (the rest are kept); with `among`, a share of each group's labels to another class of that group"
+                 # groups of classes a person confuses (`CONFUSABLE`): only their labels change, each to another of its group
+                 among:tuple|None=None
+                ) -> Tensor:
+    "A copy of `y` with a random `share` of the labels changed to another class, drawn uniformly"
     check_range('label_noise', share, 0, 1, hi_open=True)   # named as the loaders and `lf_bench` call it
     if among is not None: return _confused(y, share, among, seed)
     c = int(y.max()) + 1 if c is None else c
@@ -331,8 +334,8 @@ CIFAR10_SETTINGS = dict(   # `make_model` builds a new model on every call
                make_model=lambda: resnet9(widths=(8, 16, 32, 64))))
 
 def cifar10_setting(name:str='quick' # 'quick', 'original' or 'smoke'
-                   ) -> dict:
-    "A CIFAR10 notebook's setting: `epochs`, `bs`, `lr`, `seeds`, `budgets`, a description of the `model` and `make_model`, a function that builds a new one"
+                   ) -> dict: # `epochs`, `bs`, `lr`, `seeds`, `budgets`, `model` (a description) and `make_model` (builds a new one)
+    "A CIFAR10 notebook's setting: its schedule, seeds, budgets, and a function that builds its model"
     if name not in CIFAR10_SETTINGS: raise ValueError(f"`name` must be one of {', '.join(CIFAR10_SETTINGS)}, got {name!r}")
     return dict(CIFAR10_SETTINGS[name], name=name)
 

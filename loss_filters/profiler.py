@@ -21,7 +21,7 @@ __all__ = ['plain_step_seconds', 'measure_score_cost', 'profile_step', 'profile_
 
 # %% ../nbs/09_profile.ipynb #581630be
 def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
-    "Seconds per batch of plain fastai training, as a fit runs it: the step a filter's own work is measured against"
+    "Seconds per batch of plain fastai training, as a fit runs it"
     set_seed(seed)
     learn = bench_learner(dls, model)
     best = math.inf
@@ -32,22 +32,22 @@ def plain_step_seconds(dls, n:int=50, model:str='cnn', seed:int=0) -> float:
     return best
 
 class _Cached(nn.Module):
-    "`net` (its parameters, its norm layers) with a fixed output: times the scoring pass without the forward"
+    "`net` (its parameters, its norm layers) with a fixed output"
     def __init__(self, net, out): super().__init__(); self.net, self.out = net, out
     def forward(self, *x): return self.out
 
 def measure_score_cost(dls, model:str='cnn', n:int=10, seed:int=0) -> float:
-    "What scoring an example costs in training steps on the bench `model`: a no-grad forward (batch norm frozen) over a full training step"
+    "What scoring an example costs in training steps on the bench `model`"
     set_seed(seed)
     return learner_score_cost(bench_learner(dls, model), n)
 
 def _acting(cb_cls, kw:dict) -> dict:
-    "`kw` with the schedule of a filter that acts on every batch: the piece timings are those of a filtered step"
+    "`kw` with the schedule of a filter that acts on every batch"
     every = dict(start=0., end=1., interrupt=0, skip_epochs=0)
     return {**kw, **{k: v for k, v in every.items() if k in inspect.signature(cb_cls).parameters}}
 
 def _proxy_pieces(cb, xb, yb, idxs, n:int) -> dict:
-    "Seconds of each piece of a proxy's work on one batch: its scoring forward, and its learning of the kept rows (forward, backward, optimizer step)"
+    "Seconds of each piece of a proxy's work on one batch"
     px, kx, ky = cb.proxy, take(xb, idxs), take(yb, idxs)
     def fwd(): return px.forward(kx, ky)
     def fwd_bwd(): px.backward(fwd()); px.drop()
@@ -58,8 +58,9 @@ def _proxy_pieces(cb, xb, yb, idxs, n:int) -> dict:
     return res
 
 def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0,
-                 proxy_model:str|None=None): # the family of a method's proxy (`proxy=` its width share), a bench model; None: the model's own
-    "Seconds per batch of each piece of a filtered step (the filter driven through its own events, a proxy's learning included), and its own work beside the model as a share of a plain step"
+                 # the family of a method's proxy (`proxy=` its width share), a bench model; None: the model's own
+                 proxy_model:str|None=None):
+    "Seconds per batch of each piece of a filtered step, and the filter's own work beside a plain step"
     m = parse_method(spec)
     cb_cls, kw = m.cls, m.kw
     set_seed(seed)
@@ -104,23 +105,25 @@ def profile_step(dls, spec:str='blf', n:int=20, model:str='cnn', seed:int=0,
     res['kept'], res['bs'] = len(idxs), len(scores)
     total = res['forward'] + res['score'] + res['select'] + res['record'] + res['take'] + res['train_kept']
     res.update({f'{k}_share': res[k] / total for k in ('forward', 'score', 'select', 'record', 'take', 'train_kept')})
-    # the filter's own work: its whole batch besides the model's forward (a proxy's learning at the batch's end included), and its share of the epoch's end
+    # the filter's own work: its whole batch besides the model's forward (a proxy's learning at the batch's end included),
+    # and its share of the epoch's end
     res['overhead'] = res['batch'] + res['record']
     res['overhead_share'] = res['overhead'] / res['plain_step']
     return res
 
 def profile_line(spec:str, p:dict) -> str:
-    "One line of `profile_step`'s result `p` for `spec`: the filter's own work beside a plain step, piece by piece (a proxy's own pieces where it has one)"
+    "One line of `profile_step`'s result `p` for `spec`: the filter's own work beside a plain step"
     ms = lambda k: f"{p[k]*1e3:.3f}"
-    if 'proxy_score' in p: pieces = (f"the proxy's scoring forward {ms('proxy_score')}, its learning of the kept rows: forward {ms('proxy_forward')}, "
-                                     f"backward {ms('proxy_backward')}, optimizer step {ms('proxy_step')}")
+    if 'proxy_score' in p:
+        pieces = (f"the proxy's scoring forward {ms('proxy_score')}, its learning of the kept rows: forward {ms('proxy_forward')}, "
+                  f"backward {ms('proxy_backward')}, optimizer step {ms('proxy_step')}")
     else: pieces = f"the model's scoring forward {ms('forward')} (not counted), losses and scores {ms('score')}"
     return (f"profile {spec}: plain fastai step {p['plain_step']*1e3:.2f} ms; the filter's own work {ms('overhead')} ms = {p['overhead_share']:.1%} "
             f"of a plain step (a batch {ms('batch')}: {pieces}, select {ms('select')}, take {ms('take')}; records {ms('record')} ms); "
             f"kept {p['kept']}/{p['bs']}, bare step on them {p['train_kept']*1e3:.2f} ms, on all {p['train_full']*1e3:.2f} ms")
 
-def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
-    "`(training seconds, training steps, learn)` of a one-cycle fit of the bench `model` at 3e-3 with `probe` (if any)"
+def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple: # `(training seconds, training steps, learn)`
+    "A one-cycle fit of the bench `model` at 3e-3 with `probe` (if any), its training clocked"
     set_seed(seed)
     learn, clock = bench_learner(dls, model), EpochClock()
     seed_loaders(learn, seed)   # the plain fit and the probed one on the same data order
@@ -130,7 +133,7 @@ def _clocked_fit(dls, model:str, seed:int, epochs:int, probe=None) -> tuple:
     return clock.train_s, learn.train_iter, learn
 
 def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0, repeats:int=3) -> dict:
-    "The gradient probe's cost on the bench `model`: medians over `repeats` fits with the probe at `every` of ms a probe, ms a step of the same fit (its training time without the probes, per step: the two measured together, through the machine's drifts), their ratio, and the probes' share of the fit's training time; each beside a plain fit (run first, then second, in turn), whose step shows whether the probe slows the steps around it"
+    "The gradient probe's cost on the bench `model`, beside a plain fit: medians over `repeats` fits"
     runs = []
     for i in range(repeats):
         probe = GradientProbeCallback(every=every)
@@ -140,7 +143,8 @@ def probe_cost(dls, model:str='cnn', every:int=50, epochs:int=1, seed:int=0, rep
         per, step = probe.seconds / n, (secs - probe.seconds) / steps
         runs.append(dict(probe_ms=per * 1e3, step_ms=step * 1e3, probe_steps=per / step, share=probe.seconds / secs,
                          plain_step_ms=plain_s / plain_steps * 1e3, probes=len(probe.stats), steps=steps,
-                         **{f'{k}_ms': s / n * 1e3 for k, s in probe.part_seconds.items()}))   # per probe: its pass and statistics, α's start, α's end
+                         # per probe: its pass and statistics, α's start, α's end
+                         **{f'{k}_ms': s / n * 1e3 for k, s in probe.part_seconds.items()}))
     med = lambda k: statistics.median(r[k] for r in runs)
     b = dls.train.one_batch()
     ref = timed(lambda: per_example_gramian(learn.model, b[:dls.n_inp], b[dls.n_inp:], learn.loss_func, engine='torchjd'), 5)

@@ -9,4 +9,5 @@ __all__ = []
 import warnings
 from .sampler import *
 from .sampler import __all__
-warnings.warn("`loss_filters.stale` is the old name of `loss_filters.sampler`: import from `loss_filters.sampler` (the old path goes in 0.2)", FutureWarning, stacklevel=2)
+warnings.warn("`loss_filters.stale` is the old name of `loss_filters.sampler`: import from `loss_filters.sampler` (the old path goes in 0.2)",
+              FutureWarning, stacklevel=2)
