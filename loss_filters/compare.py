@@ -35,37 +35,43 @@ from .comparison import Comparison, machine_info, metric_unit, judge, read_runs,
 def _metric_names(learn) -> list: return ['valid_loss'] + [m.name for m in learn.metrics]
 
 def _check_factory(make_learner, metric:str|None) -> tuple:
-    "The metric to read (the Learner's first metric by default); raise if `make_learner` reuses a Learner or lacks the metric"
+    "The metric to read; raise if `make_learner` reuses a Learner or lacks the metric"
     if isinstance(make_learner, Learner) or not callable(make_learner):
         raise TypeError(f"`make_learner` must be a function of no arguments that returns a new Learner (not a Learner itself), "
                         f"got {type(make_learner).__name__}")
     a, b = make_learner(), make_learner()
     if a is b or a.model is b.model:
-        raise ValueError("`make_learner` returned the same Learner (or the same model) twice: it must build a new Learner and model on every call, "
+        raise ValueError("`make_learner` returned the same Learner (or the same model) twice: "
+                         "it must build a new Learner and model on every call, "
                          "or each method would start from the weights the previous one trained")
     if filt := next((cb for cb in a.cbs if isinstance(cb, LossFilterBase)), None):
-        raise ValueError(f"`make_learner` returns a Learner with a loss filter on it ({type(filt).__name__}): the plain model and every control "
-                         "would be filtered too; build the Learner without a filter and name the filter in `methods`")
+        raise ValueError(f"`make_learner` returns a Learner with a loss filter on it ({type(filt).__name__}): "
+                         "the plain model and every control would be filtered too; "
+                         "build the Learner without a filter and name the filter in `methods`")
     names = _metric_names(a)
     metric = metric or (names[1] if len(names) > 1 else 'valid_loss')
-    if metric not in names: raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
+    if metric not in names:
+        raise ValueError(f"`metric` {metric!r} is not recorded by the Learner; it records {', '.join(names)}")
     return metric, a
 
 def _target_drop(metric:str, target_drop:float|None, n_valid:int) -> float|None:
-    "`target_drop` as given; a warning where the user asked for less than one validation example's share of a share metric (accuracy, error rate), none for the default (the second reading's target, never a verdict, and `reference_seeds` fix a better one)"
+    "`target_drop` as given; a warning where it is finer than one validation example of a share metric"
     if target_drop is None or not any(w in metric.lower() for w in ('accuracy', 'error')) or not n_valid: return target_drop
     if target_drop < 1 / n_valid:
-        warnings.warn(f"`target_drop`={target_drop:g} is finer than one of the {n_valid} validation examples ({1 / n_valid:.4f} of `{metric}`): "
+        warnings.warn(f"`target_drop`={target_drop:g} is finer than one of the {n_valid} validation examples "
+                      f"({1 / n_valid:.4f} of `{metric}`): "
                       f"the target is then the plain model's final value less a fraction of an example, which noise crosses early; "
                       f"pass `target_drop` of at least {1 / n_valid:.4f}, or more validation data", stacklevel=3)
     return target_drop
 
 def _warn_no_verdict(seeds:int, repeats:int, controls:bool):
-    "Warn before anything trains when the comparison can give no verdict: one seed (the tests need the spread over seeds), or no controls"
-    if not controls: warnings.warn("`controls=False`: no plain schedule and no random choice are trained, so no method can be judged; the runs and "
-                                   "their figures only", stacklevel=3)
-    elif seeds < 2: warnings.warn(f"`seeds=1`: one seed gives no verdict, however large a difference (the tests need the spread over seeds"
-                                  f"{', and repeats of a seed are averaged first' if repeats > 1 else ''}); pass 5 or more", stacklevel=3)
+    "Warn before anything trains when the comparison can give no verdict: one seed, or no controls"
+    if not controls: warnings.warn("`controls=False`: no plain schedule and no random choice are trained, "
+                                   "so no method can be judged; the runs and their figures only", stacklevel=3)
+    elif seeds < 2: warnings.warn("`seeds=1`: one seed gives no verdict, however large a difference "
+                                  "(the tests need the spread over seeds"
+                                  f"{', and repeats of a seed are averaged first' if repeats > 1 else ''}); pass 5 or more",
+                                  stacklevel=3)
 
 # %% ../nbs/08_compare.ipynb #7254583b
 _RUN_KEYS = ('epochs', 'lr', 'metric', 'sign', 'evals_per_epoch', 'score_cost')
@@ -78,7 +84,8 @@ def _saved_runs(folder:Path|None, settings:dict, resume:bool) -> dict:
     if not resume or not runs_f.exists(): runs_f.unlink(missing_ok=True); return {}
     saved = json.loads(conf_f.read_text()) if conf_f.exists() else {}
     differ = [k for k in _RUN_KEYS if k != 'score_cost' and saved.get(k) != settings[k]]
-    if differ: raise ValueError(f"{folder} holds runs with other settings ({', '.join(f'{k}={saved.get(k)!r}' for k in differ)}): "
+    if differ: raise ValueError(f"{folder} holds runs with other settings "
+                                f"({', '.join(f'{k}={saved.get(k)!r}' for k in differ)}): "
                                 "use another `folder`, or `resume=False` to start over")
     runs = [upgrade_run(json.loads(l)) for l in runs_f.read_text().splitlines() if l.strip()]
     return {(r['method'], r['seed'], r['repeat']): r for r in runs}
@@ -90,18 +97,22 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
                     fit=None, # `fit(learn, epochs, lr)`; default `learn.fit_one_cycle(epochs, lr)`
                     check=None, # `(model, valid_dl) -> value` of the metric, for the checks inside an epoch
                     cbs:list|None=None, # more callbacks for every fit
-                    make_proxy=None, # `make_proxy(width) -> nn.Module`: the smaller model of a method spelled with `proxy=` or `ref_width=`
+                    make_proxy=None, # `make_proxy(width) -> nn.Module`: the smaller model of a method spelled
+                                     # with `proxy=` or `ref_width=`
                     judging:Judging|None=None, # how it is judged: metric, target, `alpha`, work unit
                     running:Running|None=None, # how it runs: executor, threads, folder, resume, progress
-                    add_baseline:bool=True, # train the plain model first when `methods` lacks it (the default target needs it)
-                    **settings # any field of `Design`, `Judging` or `Running` by name: `epochs=6, seeds=5, alpha=.1, folder='out'`
+                    add_baseline:bool=True, # train the plain model first when `methods` lacks it
+                                            # (the default target needs it)
+                    **settings # any field of `Design`, `Judging` or `Running` by name:
+                               # `epochs=6, seeds=5, alpha=.1, folder='out'`
                    ) -> Comparison:
-    "Train the plain model, every method and its controls from the same seeds, count their work, and judge each method"
+    "Train the plain model, every method and its controls from the same seeds, and judge each method"
     design, judging, running = _objects(methods, make_proxy, add_baseline, judging, running, settings)
     if judging.evals_per_epoch > 1 and check is None:
         raise ValueError("`evals_per_epoch` > 1 needs `check`, a function `(model, valid_dl) -> value`")
     metric, probe = _check_factory(make_learner, judging.metric)
-    check_learner(probe, per_example=any(parse_method(s).filters for s in design.specs))   # on one batch, before the first fit trains
+    # on one batch, before the first fit trains
+    check_learner(probe, per_example=any(parse_method(s).filters for s in design.specs))
     check_executor(running.executor, make_learner=make_learner, make_proxy=make_proxy, fit=fit, check=check, cbs=cbs)
     drop = judging.target_drop
     if judging.target is None and not design.reference_seeds: drop = _target_drop(metric, drop, len(probe.dls.valid_ds))
@@ -116,8 +127,8 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     _save_settings(folder, settings)
     del probe
     train = partial(train_fit, make_learner, epochs=design.epochs, lr=lr, fit=fit, metric=metric, sign=settings['sign'],
-                    evals_per_epoch=judging.evals_per_epoch, check=check, show_progress=running.show_fits, cbs=cbs, make_proxy=make_proxy,
-                    threads=_threads(running), warmup=running.warmup and not done)
+                    evals_per_epoch=judging.evals_per_epoch, check=check, show_progress=running.show_fits, cbs=cbs,
+                    make_proxy=make_proxy, threads=_threads(running), warmup=running.warmup and not done)
     results = _train_all(design, running, train, settings, done, folder)
     runs, refs, plain, control_of = design.ordered(results)
     target = judging.target
@@ -137,7 +148,8 @@ def _objects(methods, make_proxy, add_baseline:bool, judging, running, settings:
     specs = _method_specs(methods, make_proxy, add_baseline)
     if 'seed' in settings and 'seeds' not in settings:
         warnings.warn(f"`seed={settings['seed']!r}` is the first seed; how many seeds train is `seeds` (default "
-                      f"{inspect.signature(Design).parameters['seeds'].default}): pass `seeds=` if that is what you meant", stacklevel=3)
+                      f"{inspect.signature(Design).parameters['seeds'].default}): pass `seeds=` if that is what you meant",
+                      stacklevel=3)
     design = Design(specs, **mine['design'])   # what trains, checked first
     judging = replace(judging or Judging(), **mine['judging'])
     running = replace(running or Running(), **mine['running'])
@@ -147,17 +159,19 @@ def _threads(running:Running) -> int|None:
     "The compute threads of each fit; said once where the fits train here"
     threads = running.threads or default_threads(running.executor)
     if running.inline and threads:
-        print(f"compare_filters: fits train here one after another on {threads} torch thread(s), as a pool's single worker would; "
+        print(f"compare_filters: fits train here one after another on {threads} torch thread(s), "
+              "as a pool's single worker would; "
               "`threads=` sets it (on a machine other work shares, 1 is often fastest)")
     return threads
 
 def _train_all(design:Design, running:Running, train, settings:dict, done:dict, folder:Path|None) -> dict:
-    "Every fit of `design` not in `done`, trained on `running`'s executor; torch's thread count given back however it ends"
+    "Every fit of `design` not in `done`, trained on `running`'s executor, torch's thread count restored after"
     ex, user_threads = running.executor, torch.get_num_threads()
-    ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(ex), running.show_progress and not running.show_fits,
-                     running.on_run)
+    ledger = _Ledger(folder, settings, *design.count(), len(done), executor_workers(ex),
+                     running.show_progress and not running.show_fits, running.on_run)
     try:
-        results = run_plan(design.fits(), train, ex, done, design.then, reuse=partial(near_saved, saved=done) if done else None,
+        results = run_plan(design.fits(), train, ex, done, design.then,
+                           reuse=partial(near_saved, saved=done) if done else None,
                            on_submit=ledger.submitted, on_result=ledger.finished, twin=design.twin,
                            fit_kwargs=partial(_diagnostics_of, folder=folder if running.diagnostics else None, seed=design.seed))
     finally: torch.set_num_threads(user_threads)
@@ -165,10 +179,11 @@ def _train_all(design:Design, running:Running, train, settings:dict, done:dict, 
     return results
 
 def _method_specs(methods, make_proxy, add_baseline:bool) -> list:
-    "The methods as a list, each parsed and checked once, the plain model first when missing (the target and every paired ratio need it)"
+    "The methods as a list, each parsed and checked once, the plain model first when missing"
     specs = methods.split() if isinstance(methods, str) else [str(m) for m in methods]
     if _proxy_widths(specs) and make_proxy is None:
-        raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s or 'ref_width=' in s)} score by a proxy or train smaller references: "
+        raise ValueError(f"`methods` {' '.join(s for s in specs if 'proxy=' in s or 'ref_width=' in s)} "
+                         "score by a proxy or train smaller references: "
                          "pass `make_proxy`, a function of the width share that returns the smaller model")
     return (['baseline'] if add_baseline and 'baseline' not in specs else []) + specs
 
@@ -177,26 +192,29 @@ def _proxy_widths(specs:list) -> list:
     return sorted({w for m in map(parse_method, specs) for w in (m.proxy, m.ref_width) if w is not None})
 
 def _work_costs(probe, settings:dict, saved:dict, widths:list, make_proxy, seed:int) -> dict:
-    "A scored example's cost and each proxy width's: the saved runs' when resuming (their work stays on one scale), else counted (or timed) on `probe`"
+    "A scored example's cost and each proxy width's: the saved runs' when resuming, else counted on `probe`"
     cost, work = saved.get('score_cost', settings['score_cost']), settings['work']
     out = _costs(probe, work) if cost is None else dict(score_cost=cost, score_cost_timed=saved.get('score_cost_timed'))
     saved_px = saved.get('proxy_cost', {})
-    return out | dict(proxy_cost={str(w): saved_px.get(str(w)) or _measure_proxy(probe, seeded_proxy(make_proxy, w, seed), work) for w in widths})
+    return out | dict(proxy_cost={str(w): saved_px.get(str(w)) or _measure_proxy(probe, seeded_proxy(make_proxy, w, seed), work)
+                                  for w in widths})
 
 def _save_settings(folder:Path|None, settings:dict):
     if folder is not None: (folder / 'comparison.json').write_text(json.dumps(settings, indent=1))
 
 def _diagnostics_of(fit:Fit, folder:Path|None, seed:int) -> dict:
-    "For `run_plan`: the folder of a filter's diagnostics figure, for each method's first run; the examples of a schedule cut to a run's work"
+    "For `run_plan`: a fit's diagnostics folder and the examples of a cut schedule"
     cut = {} if fit.examples is None else dict(examples=fit.examples)
     return cut | (dict(diag=folder) if folder is not None and fit.kind == 'method' and fit.seed == seed and fit.repeat == 0 else {})
 
 class _Ledger:
-    "What this process does with each run as it comes back: its work counted, saved to `runs.jsonl`, counted on the bar; after the first, the time estimate"
+    "What this process does with each run as it comes back: its work counted, saved and shown on the bar"
     def __init__(self, folder:Path|None, settings:dict, n:int, fits:float, saved:int, workers:int, show:bool, on_run=None):
         store_attr()
-        self.n_done, self.first, self.sitting = saved, True, f'{time.time():.0f}-{os.getpid()}'   # this call's runs: their seconds compare with each other
-        bar_ok = IN_NOTEBOOK or sys.stdout.isatty()   # to a file or a pipe, a console bar's redraws would be written line after line
+        # this call's runs: their seconds compare with each other
+        self.n_done, self.first, self.sitting = saved, True, f'{time.time():.0f}-{os.getpid()}'
+        # to a file or a pipe, a console bar's redraws would be written line after line
+        bar_ok = IN_NOTEBOOK or sys.stdout.isatty()
         self.bar = progress_bar(range(n), leave=False) if show and bar_ok else None
         if self.bar is not None: self.bar.update(saved)
 
@@ -206,14 +224,18 @@ class _Ledger:
     def finished(self, f:Fit, run:dict) -> dict:
         st = self.settings
         m = parse_method(f.spec)
-        sitting = run['sitting'] if run.get('reused_from') else self.sitting   # a saved run reused on resuming keeps the sitting it trained in
-        run = add_work(run | dict(seed=f.seed, repeat=f.repeat, sitting=sitting, workers=run.get('workers', self.workers) if run.get('reused_from') else self.workers), st['score_cost'],
-                       st['proxy_cost'].get(str(m.proxy)), st['proxy_cost'].get(str(m.ref_width)))   # `sitting`: runs of one call, interleaved, share the machine's load
+        # a saved run reused on resuming keeps the sitting it trained in
+        sitting = run['sitting'] if run.get('reused_from') else self.sitting
+        workers = run.get('workers', self.workers) if run.get('reused_from') else self.workers
+        # `sitting`: runs of one call, interleaved, share the machine's load
+        run = add_work(run | dict(seed=f.seed, repeat=f.repeat, sitting=sitting, workers=workers), st['score_cost'],
+                       st['proxy_cost'].get(str(m.proxy)), st['proxy_cost'].get(str(m.ref_width)))
         if f.kind == 'reference': run['reference'] = True   # saved as such: never judged, on resuming too
         if self.folder is not None:
             with open(self.folder / 'runs.jsonl', 'a') as fh: fh.write(json.dumps(run) + '\n')
         self.n_done += 1
-        if self.first and 'fit_s' in run:   # the first fit trained here: what the rest will take, its Learner's building and checks included
+        # the first fit trained here: what the rest will take, its Learner's building and checks included
+        if self.first and 'fit_s' in run:
             self.first, e, full = False, run['epochs'], st['epochs']
             print(estimate_text(run['fit_s'] * full / e, self.fits * (1 - self.saved / max(self.n, 1)) - e / full, self.saved, self.workers))
         if self.bar is not None:
@@ -225,15 +247,16 @@ class _Ledger:
         if self.bar is not None: self.bar.total = self.n_done; self.bar.update(self.n_done)
 
 def _costs(probe, work:str) -> dict:
-    "A scored example's cost in training steps of `probe`'s model: counted in operations (`work='flops'`) and timed, both kept; the count falls back to the timing where it sees no operation"
+    "A scored example's cost in training steps of `probe`'s model, counted in operations and timed"
     timed_ = learner_score_cost(probe)
     fl = learner_flop_costs(probe) if work == 'flops' else None
     if work == 'flops' and fl is None:
-        warnings.warn("`torch.utils.flop_counter` counts none of this model's operations: work is charged by measured step times instead", stacklevel=3)
+        warnings.warn("`torch.utils.flop_counter` counts none of this model's operations: "
+                      "work is charged by measured step times instead", stacklevel=3)
     return dict(score_cost=fl['score'] if fl else timed_, score_cost_timed=timed_, work='flops' if fl else 'time')
 
 def _measure_proxy(probe, proxy, work:str) -> dict:
-    "A proxy's `score` and `step` costs per example in training steps of `probe`'s model, counted or timed as `work` says, the timing kept beside"
+    "A proxy's `score` and `step` costs per example in training steps of `probe`'s model"
     timed_ = learner_proxy_cost(probe, proxy)
     fl = learner_flop_costs(probe, proxy) if work == 'flops' else None
     return proxy_costs(fl) | dict(timed=timed_) if fl else timed_

@@ -18,7 +18,7 @@ __all__ = ['mult_text', 'ratio_text', 'pct_text', 'ci_text', 'diff_text', 'point
 
 # %% ../nbs/06a_report.ipynb #3f42f049
 def mult_text(x:float|None, censored:str|None=None) -> str:
-    "A work multiplier as `'1.23x'`, `'≥1.40x'` where the curve never gets there, `'≤0.56x'` where its first point already does, or where random choice was not run far enough to tell (`'short'`)"
+    "A work multiplier as `'1.23x'`, with `'≥'` or `'≤'` where it is censored"
     return '-' if x is None else {'above': '≥', 'below': '≤', 'short': '≤'}.get(censored, '') + f'{x:.2f}x'
 
 def _why_apart(r:dict, base:dict) -> str:
@@ -48,11 +48,11 @@ def _ci_x(test:dict|None) -> str:
     return f", {pct_text(test['level'])} CI {test['lo']:.2f}-{test['hi']:.2f}x" if test and test.get('lo') is not None else ''
 
 def diff_text(d:float, unit:str='points') -> str:
-    "A difference of the metric, + better: `'+0.36 points'` for a share metric (accuracy, error rate), else in the metric's own units (`'+0.78 rmse'`)"
+    "A difference of the metric, + better: `'+0.36 points'` for a share metric, else in the metric's own units"
     return f"{d * 100:+.2f} points" if unit == 'points' else f"{d:+.4g} {unit}"
 
 def points_text(v:dict, what:str, unit:str='points') -> str:
-    "An accuracy verdict `v` in words: the mean difference in the metric's units (points for a share), its interval and the verdict"
+    "An accuracy verdict `v` in words: the mean difference in the metric's units, its interval and the verdict"
     f = (lambda d: f"{d * 100:+.2f}") if unit == 'points' else (lambda d: f"{d:+.4g}")
     ci = f", {pct_text(v['level'])} CI {f(v['lo'])} to {f(v['hi'])}" if v.get('lo') is not None else ''
     return f"{diff_text(v['diff'], unit)} against {what}{ci} ({v['verdict']})"
@@ -63,16 +63,20 @@ def equal_work_text(v:dict, unit:str='points') -> str:
     "The first reading in words: the difference at equal work against training less, and the same as a work multiplier"
     s = points_text(v, 'training less at equal work', unit)
     if v.get('x') is not None:
-        ci = f", {pct_text(v['level'])} CI {mult_text(v['x_lo'], v['x_lo_censored'])} to {mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else ''
+        ci = (f", {pct_text(v['level'])} CI {mult_text(v['x_lo'], v['x_lo_censored'])} to "
+              f"{mult_text(v['x_hi'], v['x_hi_censored'])}" if v.get('x_lo') is not None else '')
         s += f"; training less needs {mult_text(v['x'], v['x_censored'])} its work to match it{ci}"
     if v.get('best_by'): s += f", random choice at a share (the stronger alternative there) {mult_text(v['best_x'], v['best_x_censored'])}"
     return s
 
 def bend_text(v:dict, unit:str='points') -> str:
-    "Why a gain over the line between two plain schedules gives no verdict: the plain curve could bend above the line by as much, or nothing bounds its bend"
+    "Why a gain over the line between two plain schedules gives no verdict"
     s = f"no verdict: {points_text(v, 'the line between the plain schedules around its work', unit).rsplit(' (', 1)[0]}, "
-    if v.get('bend') is None: return s + "but with no plain schedule beyond those two nothing bounds how far the curve bends above that line: add one (`budgets`)"
-    return (s + f"but a plain curve that bends (gains less per unit of work as work grows) could lie up to {diff_text(v['bend'], unit)} above that line "
+    if v.get('bend') is None:
+        return s + ("but with no plain schedule beyond those two nothing bounds how far the curve bends above that line: "
+                    "add one (`budgets`)")
+    return (s + "but a plain curve that bends (gains less per unit of work as work grows) could lie up to "
+            f"{diff_text(v['bend'], unit)} above that line "
             "there: add a plain schedule near its work (`budgets`)")
 
 def target_text(r:dict, has_budgets:bool) -> str:
@@ -81,7 +85,9 @@ def target_text(r:dict, has_budgets:bool) -> str:
     if x is None: return ''
     what = 'the cheapest plain schedule' if has_budgets else 'the plain model'
     reached = f"reached in {r.get('reached', 0)} of {r.get('repeats', 1)} runs"
-    if r.get('target_censored'): return f"to the target: {reached}; {what} needed at most {x:.2f}x its work (median over seeds, a miss counted as at most its whole work)"
+    if r.get('target_censored'):
+        return (f"to the target: {reached}; {what} needed at most {x:.2f}x its work "
+                "(median over seeds, a miss counted as at most its whole work)")
     return f"to the target: {reached}; {what} needed {x:.2f}x its work{_ci_x(t)}"
 
 def no_verdict_text(r:dict, has_budgets:bool=True) -> str|None:
@@ -90,16 +96,18 @@ def no_verdict_text(r:dict, has_budgets:bool=True) -> str|None:
     if word == 'never filtered': return "never filtered: the fit is too short for its schedule, so it trained like the plain model"
     if word == 'no verdict (no other plain schedule)':
         return "no verdict: training less was not run (`controls=True` runs it), so there is no plain curve to read at its work"
-    if word == 'no verdict (work outside the plain schedules)': return "no verdict: its work lies outside the plain schedules; add shorter or longer `budgets`"
+    if word == 'no verdict (work outside the plain schedules)':
+        return "no verdict: its work lies outside the plain schedules; add shorter or longer `budgets`"
     if word == 'no verdict (bend)': return bend_text(v, unit)
     if word == 'no verdict (no random control)':
         return f"no verdict: {equal_work_text(v, unit)}, but random choice at its share, the other simple alternative, was not run"
     if word.startswith('no verdict'):
         d = f" (at equal work {diff_text(v['diff'], unit)} against training less)" if v else ''
-        return f"no verdict from {seeds_text(v['n'] if v else 1)}{d}: the test needs the spread over seeds, however large the difference; run 5 or more"
+        return (f"no verdict from {seeds_text(v['n'] if v else 1)}{d}: the test needs the spread over seeds, "
+                "however large the difference; run 5 or more")
 
 def payoff_line(r:dict, has_budgets:bool=True) -> str:
-    "Whether the method in row `r` pays on this data, in one line: the first reading (at equal work against training less), then random choice, then time to the target"
+    "Whether the method in row `r` pays on this data, in one line"
     m, a, unit = r['method'], r.get('alpha', .05), r.get('unit', 'points')
     word, v, second = payoff_word(r, has_budgets), r.get('at_work'), target_text(r, has_budgets)
     tail = f"; {second}" if second else ''
@@ -109,20 +117,21 @@ def payoff_line(r:dict, has_budgets:bool=True) -> str:
     return f"{m}: {word} {head}: {equal_work_text(v, unit)}{why}{_seeds_plan(r, word)}{tail}"
 
 def _seeds_plan(r:dict, word:str) -> str:
-    "How many seeds a gain of the size measured needs to show, where it is not shown above training less: more seeds do not help a gain shown there but not over random choice"
+    "How many seeds a gain of the size measured needs to show, where it is not shown above training less"
     v, a = r['at_work'], r.get('alpha', .05)
     if not (word == 'no gain shown' and v['diff'] > 0 and v.get('sd') and v['verdict'] != 'beats'): return ''
     k = seeds_needed(v['diff'], v['sd'], a)
-    return f"; a gain of this size at this spread needs about {k} seeds to show" if k else "; a gain of this size at this spread needs more than 100 seeds to show"
+    return (f"; a gain of this size at this spread needs about {k} seeds to show" if k
+            else "; a gain of this size at this spread needs more than 100 seeds to show")
 
 def target_cell(r:dict, has_budgets:bool=True) -> str:
-    "The second reading in a table cell: the work ratio to the target and the runs that got there (`'1.20x (5 of 5)'`, `'≤'` where a miss counts as at most its whole work), `'missed (0 of 3)'` where none did"
+    "The second reading in a table cell: the work ratio to the target and the runs that got there"
     n, k, x = r.get('repeats', 1), r.get('reached', 0), payoff_test(r, has_budgets)[0]
     if not k or x is None: return f"missed ({k} of {n})" if not k else f"not read ({k} of {n})"
     return f"{'≤' if r.get('target_censored') else ''}{x:.2f}x ({k} of {n})"
 
 def _batch_note(r:dict) -> str:
-    "Why a method above training less still does not pay, or that it also beats random choice at its share: the plain model at a smaller batch; '' where neither applies"
+    "Why a method above training less still does not pay, or that it also beats random choice at its share"
     v, rand, word = r.get('at_work') or {}, r.get('vs_random_work') or r.get('vs_random'), payoff_word(r)
     what = f"random choice {'at equal work' if r.get('vs_random_work') else 'at its share'} (the plain model at a smaller batch)"
     if word == 'pays': return f"and it ends above {what}"
@@ -140,14 +149,14 @@ def _random_note(v:dict, unit:str, pays:bool=False, at:str='at its share') -> st
     return f"not shown above random choice {at} ({d}, {v['verdict']})"
 
 def paid_text(r:dict) -> str|None:
-    "What the method cost against the plain model's full schedule, medians over seeds: `'used 1.10x its work and 1.21x its seconds'`; None without that schedule"
+    "What the method cost against the plain model's full schedule, medians over seeds"
     p = r.get('vs_full')
     if not p or p.get('work') is None: return None
     return (f"used {p['work']:.2f}x the plain model's work" + (f" and {p['seconds']:.2f}x its seconds" if p.get('seconds') else " (seconds not read)")
             + " (its full schedule, medians)")
 
 def method_note(r:dict, has_budgets:bool=True) -> str:
-    "One line on a method beside the verdict table: why it has no verdict, or what its controls add (random choice, the model scoring itself, the plain model) and the seeds a gain of its size needs"
+    "One line on a method beside the verdict table: why it has no verdict, or what its controls add"
     m, unit, a, word = r['method'], r.get('unit', 'points'), r.get('alpha', .05), payoff_word(r, has_budgets)
     if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}" + (f"; {c}" if (c := paid_text(r)) else '')
     v, notes = r['at_work'], [c] if (c := paid_text(r)) else []
@@ -165,37 +174,44 @@ def method_note(r:dict, has_budgets:bool=True) -> str:
     if (p := r.get('vs_plain')) and p.get('holds') is not None:
         m_ = diff_text(p['margin'], unit).lstrip('+')
         notes.append(f"ends {diff_text(p['diff'], unit)} from the plain model's full schedule ("
-                     + (f"the test rules out ending more than {m_} below it)" if p['holds'] else f"the test cannot rule out ending more than {m_} below it)"))
+                     + (f"the test rules out ending more than {m_} below it)" if p['holds']
+                        else f"the test cannot rule out ending more than {m_} below it)"))
     if plan := _seeds_plan(r, word): notes.append(plan[2:])
     return f"{m}: " + ('; '.join(notes) if notes else f"{word} at {pct_text(a)}")
 
 def _to_target_words(r:dict) -> str:
-    "How the method's runs did to the target against the plain model and its cheapest schedule, in work and wall-clock: only what was measured"
+    "How the method's runs did to the target against the plain model and its cheapest schedule"
     if not r.get('reached'): return f"no run of {r['repeats']} reached the target"
     s = f"{r['reached']}/{r['repeats']} runs reached the target"
     work = [f"the plain model needed {r['work_x']:.2f}x{_ci_x(r.get('work_x_test'))} its work"] if r.get('work_x') is not None else []
     if r.get('vs_best_plain_work_x') is not None:
-        work.append(f"the cheapest plain schedule {'at most ' if r.get('target_censored') else ''}{r['vs_best_plain_work_x']:.2f}x{_ci_x(r.get('vs_best_plain_work_test'))}")
+        work.append(f"the cheapest plain schedule {'at most ' if r.get('target_censored') else ''}"
+                    f"{r['vs_best_plain_work_x']:.2f}x{_ci_x(r.get('vs_best_plain_work_test'))}")
     wall = [f"{r[k]:.2f}x" for k in ('target_x', 'vs_best_plain_x') if r.get(k) is not None]
-    if work: s += "; to get there " + ' and '.join(work) + f" ({'wall-clock ' + ' and '.join(wall) + '; ' if wall else ''}above 1x the method needs less)"
+    if work:
+        s += ("; to get there " + ' and '.join(work)
+              + f" ({'wall-clock ' + ' and '.join(wall) + '; ' if wall else ''}above 1x the method needs less)")
     return s
 
 def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
-    "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls, by work and by wall-clock"
+    "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls"
     by, out = {r['method']: r for r in rows}, []
     base = by.get('baseline')
     controls = control_specs(control_of)
     for r in rows:
         m, unit = r['method'], r.get('unit', 'points')
         if m == 'baseline' or m in budgets or m in controls: continue
-        if r.get('never_filtered'): out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline"); continue
+        if r.get('never_filtered'):
+            out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline")
+            continue
         s = f"{m} ({seeds_text(r.get('seeds', r['repeats']))}, tests at {pct_text(r.get('alpha', .05))}): {_to_target_words(r)}"
         if r.get('at_work'): s += f"; final value {equal_work_text(r['at_work'], unit)}"
-        for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'), ('vs_random_work', 'random choice at equal work'),
-                        ('vs_self', 'the same filter scored by the model itself')):
+        for k, what in (('vs_plain', 'the plain model'), ('vs_random', 'random choice at its share'),
+                        ('vs_random_work', 'random choice at equal work'), ('vs_self', 'the same filter scored by the model itself')):
             if r.get(k): s += f"; final value {points_text(r[k], what, unit)}"
         if r.get('vs_plain', {}).get('holds') is not None:
-            s += f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within {diff_text(r['vs_plain']['margin'], unit).lstrip('+')} of the plain model"
+            s += (f"; {'holds' if r['vs_plain']['holds'] else 'not shown to hold'} within "
+                  f"{diff_text(r['vs_plain']['margin'], unit).lstrip('+')} of the plain model")
         for c in control_of.get(m, []):
             if c in by and c.startswith('baseline') and 'same_work' not in judged_method(c).run:
                 s += f"; {diff_text(r['final_metric'] - by[c]['final_metric'], unit)} against `{c}`, its rate raise without the selection (medians)"
@@ -216,11 +232,11 @@ def ci_level(rows:list) -> int:
     return round(100 * (1 - 2 * next((r['alpha'] for r in rows if 'alpha' in r), .05)))
 
 def table_columns(rows:list, metric:str='accuracy') -> list:
-    "The table's column names: an interval column named with its level (`work_x_ci90`), the final value under the metric's own name"
+    "The table's column names, an interval column with its level and the final value under the metric's name"
     return [k + str(ci_level(rows)) if k.endswith('_ci') else f'final_{metric}' if k == 'final_metric' else k for k, _ in _cols]
 
 def format_table(rows:list, metric:str='accuracy', sign:int=1) -> str:
-    "The summary as a plain-text table: medians with `±spread` (max - min) over runs; `_x` ratios as geometric means; `_ciNN`: NN% t intervals over seeds; `reached`: runs that reached the target; accuracy verdicts in points with the test's word"
+    "The summary as a plain-text table: medians with `±spread` over runs, ratios, intervals and verdicts"
     def cell(r, k, f):
         if k == 'method': return short_label(r[k]) + (' [never filtered]' if r.get('never_filtered') else '')   # a control by its short name
         if k == 'reached': return f"{r['reached']}/{r.get('repeats', 1)}" if 'reached' in r else '-'
@@ -248,7 +264,7 @@ def _method(spec:str):
     except (ValueError, TypeError): return None
 
 def short_label(spec:str) -> str:
-    "A legend's name for a method spec: the random controls, the plain model's other schedules and the alternatives at a method's own work said in words, the rest as spelled"
+    "A legend's name for a method spec: the controls and plain schedules in words, the rest as spelled"
     m = _method(spec)
     if m is None: return spec
     at = f" at {m.at_work_of}'s work" if m.at_work_of else f", {m.run['epochs']} epochs, past {m.reach_of}'s work" if m.reach_of else ''
@@ -268,7 +284,7 @@ def _duration(s:float) -> str:
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
 def estimate_text(first_s:float, fits:float, saved:int=0, workers:int=1) -> str:
-    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each (its building, training and checks), `workers` at a time"
+    "What the rest of the comparison should take: `fits` full-schedule fits at `first_s` seconds each"
     return (f"compare_filters: a full-schedule fit takes about {_duration(first_s)} here, with its Learner's building and checks; the comparison"
             + (f" ({saved} runs reused from the folder)" if saved else '')
             + f" needs the time of about {fits:.0f} more such fits, about {_duration(first_s * fits / workers)} on this machine"
@@ -280,7 +296,7 @@ def judged_rows(cmp) -> list:
     return [r for r in cmp.rows if r['method'] not in skip]
 
 def seconds_cell(r:dict, has_budgets:bool) -> str|None:
-    "The first reading in seconds in a table cell: its word and what the better alternative needs (`'pays, 1.25x'`); None where seconds were not read"
+    "The first reading in seconds in a table cell: its word and what the better alternative needs"
     v = r.get('at_work_s')
     return f"{payoff_word(r, has_budgets, 'at_work_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
 
@@ -292,18 +308,18 @@ def _interval(v:dict|None, unit:str) -> str:
     return _num(v['diff'], unit) + (f" ({_num(v['lo'], unit)} to {_num(v['hi'], unit)})" if v.get('lo') is not None else '')
 
 def _needs(v:dict|None) -> str:
-    "What the better simple alternative needs to match the method, its estimate alone (`'1.40x'`): the headline keeps one interval, the one the verdict's test uses (at equal work); `cmp.table` has this one's"
+    "What the better simple alternative needs to match the method, its estimate alone (`'1.40x'`)"
     if not v or v.get('best_x') is None: return 'not read'
     return mult_text(v['best_x'], v['best_x_censored'])
 
 _WORK_UNITS = dict(flops='FLOPs', time='measured step times', recounted='the scoring costs given to `load_comparison`')
 
 def work_unit(settings:dict) -> str:
-    "What a comparison's work is counted in, as its printout says it: from its settings; a runs file saved without them, as each run recorded it"
+    "What a comparison's work is counted in, as its printout says it"
     return _WORK_UNITS.get(settings.get('work'), "each run's own count, as saved")
 
 def summary_text(cmp) -> str:
-    "What `print(cmp)` shows: a table of the verdicts, what its columns mean, then one line per method on what the table leaves out"
+    "What `print(cmp)` shows: a table of the verdicts, what its columns mean, then a line per method"
     lvl, has, unit, a = ci_level(cmp.rows), bool(cmp.budgets), cmp.unit, cmp.alpha
     rows, tgt = judged_rows(cmp), f"{cmp.target_value:.4f}"
     table = text_table([['method', 'verdict', 'at equal work', 'an alternative needs', 'in seconds']] +
@@ -326,11 +342,12 @@ def summary_text(cmp) -> str:
                      ['', 'More: cmp.table (every figure of every method and control), cmp.verdicts (every test), cmp.plot().'])
 
 def brief_table(cmp) -> str:
-    "The verdicts as a short text table, one line per method (the controls left out): seeds, the first reading with its interval, the payoff, the accuracy verdicts, the second reading, and against random choice at equal work and in seconds where they were run"
+    "The verdicts as a short text table, one line per method (the controls left out)"
     lvl, has, unit = ci_level(cmp.rows), bool(cmp.budgets), cmp.unit
     pts = lambda v: f"{diff_text(v['diff'], unit)} {v['verdict']}" if v else ''   # in the metric's units, + better, as in the payoff lines
     ci = lambda v: f"{_num(v['lo'], unit)} to {_num(v['hi'], unit)}" if v and v.get('lo') is not None else ''
-    held = lambda v: '' if not v else f"{diff_text(v['diff'], unit)} " + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')]
+    held = lambda v: '' if not v else (f"{diff_text(v['diff'], unit)} "
+                                       + {True: 'holds', False: 'not shown to hold', None: 'no verdict'}[v.get('holds')])
     alt = lambda v: mult_text(v.get('best_x'), v.get('best_x_censored')) if v and v.get('best_x') is not None else ''
     rows = judged_rows(cmp)
     own, at_work, secs = (any(r.get(k) for r in rows) for k in ('vs_self', 'vs_random_work', 'at_work_s'))   # the columns of readings that were made
@@ -358,14 +375,19 @@ _shown = [('epochs', 'epochs'), ('reached', 'reached'), ('final', None), ('samp_
           ('train_s', 'train_s'), ('target_s', 'target_s'), ('target_x', 'target_x'), ('vs_best_plain_x', 'vs_best_plain_x')]
 
 def summary_frame(cmp):
-    "The summary as a DataFrame, one row per method and control (medians over its runs), the metric under its own name and sign; the methods indexed by their spec, the plain schedules and controls by a short name (their spec in column `spec`)"
+    "The summary as a DataFrame, one row per method and control (medians over its runs)"
     import pandas as pd
     out, judged = [], {r['method'] for r in judged_rows(cmp)}
     for r in cmp.rows:
-        d = dict(method=r['method'] if r['method'] in judged or r['method'] == 'baseline' else short_label(r['method']), spec=r['method'])   # a control or schedule by a short name
+        # a control or schedule by a short name
+        d = dict(method=r['method'] if r['method'] in judged or r['method'] == 'baseline' else short_label(r['method']),
+                 spec=r['method'])
         for col, k in _shown: d[f'final_{cmp.metric}' if col == 'final' else col] = cmp.sign * r['final_metric'] if k is None else r.get(k)
-        for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(cmp.rows))] = ci_text(d.pop(k))   # t intervals over seeds
-        for k in ('at_work', 'vs_random', 'vs_self'): d[k] = f"{diff_text(r[k]['diff'], cmp.unit)} {r[k]['verdict']}" if r.get(k) else None   # + is better
+        # t intervals over seeds
+        for k in ('work_x_ci', 'vs_best_plain_work_ci'): d[k + str(ci_level(cmp.rows))] = ci_text(d.pop(k))
+        # + is better
+        for k in ('at_work', 'vs_random', 'vs_self'):
+            d[k] = f"{diff_text(r[k]['diff'], cmp.unit)} {r[k]['verdict']}" if r.get(k) else None
         v = r.get('at_work') or {}
         d['training_less_needs'] = mult_text(v.get('x'), v.get('x_censored')) if v else None   # the first reading as a work multiplier
         d['payoff'] = payoff_word(r, bool(cmp.budgets)) if r['method'] in judged else None

@@ -33,17 +33,17 @@ def fit_scored(learn) -> int:
     return getattr(getattr(learn, 'loss_filter', None), 'fit_scored', 0)
 
 def reference_work(learn) -> dict:
-    "What the filter's reference losses cost in this fit: `trained` and `scored` examples and `seconds` (zeros without references)"
+    "What the filter's reference losses cost in this fit: `trained` and `scored` examples and `seconds`"
     f = getattr(getattr(learn, 'loss_filter', None), 'reference_work', None)
     return f() if f is not None else dict(trained=0, scored=0, seconds=0.)
 
 def proxy_work(learn) -> tuple:
-    "(examples the filter's proxy scored without a graph, examples it scored and trained on) in this fit; (0, 0) without a proxy"
+    "The examples the filter's proxy scored without a graph, and those it scored and trained on, in this fit"
     f = getattr(getattr(learn, 'loss_filter', None), 'proxy_work', None)
     return f() if f is not None else (0, 0)
 
 class EpochClock(Callback):
-    "Training seconds, work and the validation `metric` (times `sign`) at every epoch end, and `evals_per_epoch - 1` times inside"
+    "Training seconds, work and the validation `metric` (times `sign`) at every epoch end and inside"
     order = 70   # after the Recorder has the epoch's values
     def __init__(self,
                  evals_per_epoch:int=1, # checks of the metric per epoch; more than 1 needs `check`
@@ -65,7 +65,8 @@ class EpochClock(Callback):
     def _work(self) -> dict:
         ps, pt = proxy_work(self.learn)
         rw = reference_work(self.learn)
-        return dict(trained=self.trained, scored=fit_scored(self.learn), proxy_scored=ps, proxy_trained=pt, ref_trained=rw['trained'], ref_scored=rw['scored'])
+        return dict(trained=self.trained, scored=fit_scored(self.learn), proxy_scored=ps, proxy_trained=pt,
+                    ref_trained=rw['trained'], ref_scored=rw['scored'])
     def after_batch(self):
         if not self.training or self.evals_per_epoch < 2: return
         k, n = self.evals_per_epoch, self.n_iter
@@ -95,7 +96,7 @@ def _save_diagnostics(cb, path:Path) -> str:
 
 def seed_loaders(learn, # a `Learner`, its loaders perhaps shared with other fits
                  seed:int=0): # the data order's seed
-    "Seed the RNG each of `learn`'s loaders keeps of its own (fastai's, which `set_seed` does not reach and each epoch moves on): fits from the same seed then see the same data order, on loaders made once and shared"
+    "Seed the RNG each of `learn`'s loaders keeps of its own, so that fits from one seed see one data order"
     for dl in learn.dls.loaders: dl.rng = random.Random(seed)
 
 def run_fit(make_learner, # a function of no arguments that returns a new `Learner`
@@ -112,14 +113,16 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
             diag:Path|None=None, # folder for the filter's diagnostics figure; None: no figure
             cbs:list|None=None, # more callbacks for this fit
             make_proxy=None, # `make_proxy(width) -> nn.Module`: the proxy of a method with `proxy=width`
-            examples:int|None=None # train one schedule over this many examples (in whole batches), its last epoch cut short: the plain model at another run's work; None: `epochs` whole epochs
+            examples:int|None=None # train one schedule over this many examples (in whole batches), its last epoch cut short:
+                                   # the plain model at another run's work; None: `epochs` whole epochs
            ) -> dict:
     "Train one method from `seed` on a new Learner from `make_learner`; its timings, work, history and kept shares"
     m = parse_method(spec)
     cb_cls, kw, epochs, lr = m.cls, m.kw, m.epochs(epochs), lr * m.run.get('lr_mult', 1)
     set_seed(seed, reproducible=True)
     learn = make_learner()
-    if m.proxy is not None: kw = kw | dict(score_model=seeded_proxy(make_proxy, m.proxy, seed, spec))   # before the loaders' seeds: it may draw a batch
+    # before the loaders' seeds: it may draw a batch
+    if m.proxy is not None: kw = kw | dict(score_model=seeded_proxy(make_proxy, m.proxy, seed, spec))
     if m.ref_width is not None: kw = kw | dict(reference_model=seeded_proxy(make_proxy, m.ref_width, seed + 1, spec))
     seed_loaders(learn, seed)   # the same data order for every method
     clock = EpochClock(evals_per_epoch, metric, sign, check)
@@ -145,7 +148,7 @@ def run_fit(make_learner, # a function of no arguments that returns a new `Learn
                 kept=[[b['iter'], b['kept'] / b['bs']] for b in filt.stats] if filt is not None else [])
 
 class CutSchedule(Callback):
-    "One schedule over exactly `n_batches` training batches: the scheduler's progress counted over them, the fit's last epoch stopped when they are done (then validated)"
+    "One schedule over exactly `n_batches` training batches, the fit's last epoch stopped when they are done"
     order = ParamScheduler.order - 1   # its progress is set before the scheduler reads it
     def __init__(self, n_batches:int): self.n_batches = n_batches
     def before_batch(self):
@@ -155,15 +158,17 @@ class CutSchedule(Callback):
     def after_cancel_train(self): self.learn.recorder.cancel_train = False   # an epoch cut short, not cancelled: the Recorder logs its training loss
 
 def seeded_proxy(make_proxy, width:float, seed:int, spec:str='') -> torch.nn.Module:
-    "`make_proxy(width)`, its weights drawn from `seed` without moving torch's global random state (the main model's draws stay the plain run's)"
-    if make_proxy is None: raise ValueError(f"method {spec!r} scores by a proxy: pass `make_proxy`, a function of the width share that returns the proxy model")
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):   # `manual_seed` seeds every CUDA generator too
+    "`make_proxy(width)`, its weights drawn from `seed` without moving torch's global random state"
+    if make_proxy is None:
+        raise ValueError(f"method {spec!r} scores by a proxy: pass `make_proxy`, a function of the width share that returns the proxy model")
+    # `manual_seed` seeds every CUDA generator too
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
         torch.manual_seed(seed + 7919)
         return make_proxy(width)
 
 # %% ../nbs/05_runs.ipynb #ceae8d8f
 class StopAfter(Callback):
-    "Stop the fit after its first `n` training batches (a warm-up, a short timing), and keep their seconds per batch in `secs`"
+    "Stop the fit after its first `n` training batches, and keep their seconds per batch in `secs`"
     order = 100
     def __init__(self, n:int=3): self.n = n
     def before_train(self): sync_device(); self.t0 = time.perf_counter()
@@ -179,7 +184,7 @@ def _train_batch(learn) -> tuple:
 
 def check_learner(learn, # a Learner that will not train on (its model is moved to its loaders' device, as `fit` moves it)
                   per_example:bool=True): # also check the loss gives one value per example, as every filter needs
-    "Before any fit trains, on one training batch: the model's weights exist and match the batch's precision, and (`per_example`) the loss gives one value per example; each in the package's words"
+    "Check on one training batch, before any fit trains, that the model and loss suit a comparison"
     ps = list(learn.model.parameters())
     if any(p.is_meta for p in ps):
         raise ValueError("the Learner's model is on the meta device (its weights are not made yet): build it on a real device, or call "
