@@ -5,8 +5,11 @@
 # %% ../nbs/10_bench.ipynb #7f2357f7
 from __future__ import annotations
 import contextlib, functools, json, random, sys, warnings
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 # a dependency's import warns that `torch.jit.script` is deprecated: nothing an `lf_bench` user can act on, so not its first line;
 # the filter lives only while the imports run (`with`), and the user's own filters are as they were after them
 with warnings.catch_warnings():
@@ -16,7 +19,7 @@ with warnings.catch_warnings():
     from fastcore.script import anno_parser
     from fastcore.basics import store_attr
     from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat
-    from loss_filters.checks import check_range, check_int
+    from loss_filters.checks import check_int
     from loss_filters.batch import LossFilterCallback
     from loss_filters.data import load_dls, CropFlip, DATASETS
     from loss_filters.models import MODELS, make_model, bench_learner
@@ -25,14 +28,15 @@ with warnings.catch_warnings():
     from loss_filters.costs import learner_flop_costs
     from loss_filters.runs import run_fit
     from loss_filters.plots import kept_figure, save_figure
-    from loss_filters.comparison import machine_info
+    from loss_filters.comparison import machine_info, Judging
     from loss_filters.compare import compare_filters
-    from loss_filters.plan import fit_executor, cores_each
+    from loss_filters.plan import fit_executor, cores_each, Design, Running
     from loss_filters import profiler
     from loss_filters.profiler import profile_step, profile_line
 
 # %% auto #0
-__all__ = ['PRESETS', 'SWITCH', 'bench_work_costs', 'valid_accuracy', 'run_method', 'BenchLearners', 'lf_bench', 'main']
+__all__ = ['PRESETS', 'SWITCH', 'MORE', 'BenchData', 'Preset', 'bench_work_costs', 'valid_accuracy', 'run_method',
+           'bench_settings', 'BenchLearners', 'lf_bench', 'bench_parser', 'main']
 
 # %% ../nbs/10_bench.ipynb #94125ca3
 # `main` (`make bench`, the main job): the Batch Loss Filter with every control, 5 seeds, minutes on 2 cores; the cheap MLP on 30,000
@@ -41,21 +45,56 @@ __all__ = ['PRESETS', 'SWITCH', 'bench_work_costs', 'valid_accuracy', 'run_metho
 # model's plateau, every control beside every method: the check that a filter loses nothing there. `aug`: crop and flip on a long one-cycle
 # schedule at its plateau, the regime the recipes were published for. `noisy`: wrong training labels (20%, or `label_noise`), a schedule long
 # enough for the MLP to learn them by heart, where ranking by the raw loss points at the wrong labels. A preset's `target` holds for its own data and settings.
-PRESETS = dict(main=dict(epochs=4, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=30_000, n_valid=None,
-                         methods='baseline blf', budgets='.5 .75 1.25 1.5', model='mlp', seeds=5),
-               quick=dict(epochs=5, evals_per_epoch=1, augment=False, controls=False, lr=3e-3, bs=256, n_train=None, n_valid=None,
-                          methods=DEFAULT_METHODS, budgets='.5 .6 .7 .8 .9', model='cnn', seeds=1),
-               compute=dict(epochs=5, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=30_000, n_valid=None,
-                            methods='baseline blf topk:proxy=.25 blf:epochs=7', budgets='.4 .6 .8 1.2 1.6', model='cnn', seeds=6),
-               long=dict(epochs=9, evals_per_epoch=2, augment=False, controls=True, lr=2.4e-2, bs=128, n_train=20_000, n_valid=5_000,
-                         methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1,
-                         target=.8486),   # fixed in advance: the knee of 5 reference seeds (6-10), saved in nbs/bench_runs/long_flops_runs.jsonl.gz
-               aug=dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000, n_valid=5_000,
-                        methods=DEFAULT_METHODS + ' hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1,
-                        target=.8029),   # fixed in advance: the knee of 5 reference seeds (21-25), saved in nbs/bench_runs/aug_reference_runs.jsonl.gz
-               noisy=dict(epochs=20, evals_per_epoch=1, augment=False, controls=True, lr=3e-3, bs=256, n_train=10_000, n_valid=None,
-                          methods='baseline blf topk sb blf:reference=crossfit topk:reference=crossfit sb:reference=crossfit drop',
-                          budgets='.5 .75 1.25 1.5', model='mlp', seeds=6, label_noise=.2))
+@dataclass(frozen=True)
+class BenchData:
+    "The bench's data and model: which images, how many, how labelled, in which batches, and which network"
+    data:str='auto' # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
+    n_train:int|None=None # use only this many training examples; None or 0: all
+    n_valid:int|None=None # use only this many validation examples; None or 0: all
+    bs:int=256 # batch size
+    label_noise:float=0. # share of training labels changed to a wrong class, in [0, 1); validation labels stay clean
+    confusable:bool=False # with `label_noise`: change only labels among the classes a person confuses
+    augment:bool=False # random crop and flip of the training images (`CropFlip`)
+    model:str='cnn' # the network: `cnn`, `mlp` or `wrn`
+    proxy_model:str|None=None # the family of a method's proxy (`proxy=` its width share); None: the model's own
+    def __post_init__(self):
+        for k, v in dict(model=self.model, proxy_model=self.proxy_model or self.model).items():
+            if v not in MODELS: raise ValueError(f"`{k}` must be one of {', '.join(MODELS)}, got {v!r}")
+        if self.confusable and not self.label_noise:
+            raise ValueError("`confusable` says which labels `label_noise` changes: pass a `label_noise` above 0 with it")
+
+@dataclass(frozen=True)
+class Preset:
+    "A named bench setting: its data and model, its methods and rate, what trains beside them, and how it is judged"
+    data:BenchData # the data and the model
+    methods:str # the methods, space-separated
+    lr:float # the one-cycle schedule's maximum rate
+    design:Mapping # what trains: `Design`'s settings (`epochs`, `seeds`, `budgets`, `controls`)
+    judging:Judging=Judging() # how it is judged
+    target:float|None=None # the target fixed in advance, from reference seeds of this very setting
+    def target_for(self, data_name:str, bd:BenchData, epochs:int, lr:float) -> float|None:
+        "The preset's fixed target where a run is the preset as its reference runs were (data, size, schedule, rate, model)"
+        p = self.data
+        same = (data_name == 'fashion_mnist' and bd.model == p.model and not bd.label_noise
+                and (epochs, lr, bd.bs, bd.n_train, bd.augment) == (self.design['epochs'], self.lr, p.bs, p.n_train, p.augment))
+        return self.target if same else None
+
+def _design(**kw) -> Mapping: return MappingProxyType(kw)
+
+PRESETS = dict(
+    main=Preset(BenchData(n_train=30_000, model='mlp'), 'baseline blf', 3e-3, _design(epochs=4, seeds=5, budgets='.5 .75 1.25 1.5', controls=True)),
+    quick=Preset(BenchData(model='cnn'), DEFAULT_METHODS, 3e-3, _design(epochs=5, seeds=1, budgets='.5 .6 .7 .8 .9', controls=False)),
+    compute=Preset(BenchData(n_train=30_000, model='cnn'), 'baseline blf topk:proxy=.25 blf:epochs=7', 3e-3,
+                   _design(epochs=5, seeds=6, budgets='.4 .6 .8 1.2 1.6', controls=True)),
+    long=Preset(BenchData(n_train=20_000, n_valid=5_000, bs=128, model='cnn'), DEFAULT_METHODS + ' hide', 2.4e-2,
+                _design(epochs=9, seeds=1, budgets='.6 .75 .9 1.25', controls=True), Judging(evals_per_epoch=2),
+                target=.8486),   # fixed in advance: the knee of 5 reference seeds (6-10), saved in nbs/bench_runs/long_flops_runs.jsonl.gz
+    aug=Preset(BenchData(n_train=5_000, n_valid=5_000, bs=128, augment=True, model='cnn'), DEFAULT_METHODS + ' hide', 4.8e-2,
+               _design(epochs=68, seeds=1, budgets='.6 .75 .9 1.25', controls=True),
+               target=.8029),   # fixed in advance: the knee of 5 reference seeds (21-25), saved in nbs/bench_runs/aug_reference_runs.jsonl.gz
+    noisy=Preset(BenchData(n_train=10_000, model='mlp', label_noise=.2),
+                 'baseline blf topk sb blf:reference=crossfit topk:reference=crossfit sb:reference=crossfit drop', 3e-3,
+                 _design(epochs=20, seeds=6, budgets='.5 .75 1.25 1.5', controls=True)))
 
 # %% ../nbs/10_bench.ipynb #7870f727
 def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
@@ -91,16 +130,53 @@ def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str
     return run_fit(partial(bench_learner, dls, model), spec, epochs=epochs, lr=lr, seed=seed, metric='accuracy', evals_per_epoch=evals_per_epoch,
                    check=valid_accuracy, show_progress=show_progress, diag=diag, cbs=cbs)
 
-# %% ../nbs/10_bench.ipynb #c42b53fc
-def _preset_value(v, name:str, pre:dict): return pre[name] if v is None else v
-
+# %% ../nbs/10_bench.ipynb #06bcb656
 SWITCH = ('auto', 'yes', 'no')   # an 'auto'/'yes'/'no' option's values
 
-def _switch(name:str, v:str, pre:dict) -> bool:
-    "An 'auto'/'yes'/'no' option: the preset's value for 'auto'"
-    if v not in SWITCH: raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
-    return pre[name] if v == 'auto' else v == 'yes'
+# every setting of the bench beside `lf_bench`'s own: (what it sets, its type, what it means); a preset's value where not given
+MORE = dict(
+    n_train=('data', int, "use only this many training examples (0: all)"),
+    n_valid=('data', int, "use only this many validation examples (0: all)"),
+    bs=('data', int, "batch size"),
+    label_noise=('data', float, "share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean)"),
+    confusable=('data', bool, "with `label_noise`: change only labels among the classes a person confuses (T-shirt, pullover, shirt)"),
+    augment=('data', SWITCH, "`yes`: random crop and flip of the training images, `no`: none, `auto`: the preset's"),
+    proxy_model=('data', tuple(MODELS), "the family of a method's proxy (`proxy=` its width share); default: the model's own"),
+    seed=('design', int, "the first seed (model initialisation and data order), which also draws the data's subsets"),
+    repeats=('design', int, "runs of every method and seed (interleaved); medians and spreads when > 1"),
+    budgets=('design', str, "shares of `epochs` for the plain model's other schedules, e.g. '.5 .75 1.25'"),
+    controls=('design', SWITCH, "`yes`: the plain schedules and random choice beside every method, `no`: not, `auto`: the preset's"),
+    reference_seeds=('design', int, "plain runs on this many further seeds, not judged, fix the target at their knee (0, or at least 3)"),
+    target=('judging', float, "target validation accuracy for the second reading; default: the preset's own where the run is the preset"),
+    target_drop=('judging', float, "the default target's distance below the plain model's final accuracy (0.2 points)"),
+    alpha=('judging', float, "the level of every test; intervals at 1 - 2*alpha"),
+    work=('judging', ('flops', 'time'), "`flops`: scoring and proxies charged by counted operations; `time`: by measured step times"),
+    score_cost=('judging', float, "a scored example's cost in training steps; default: counted on the model"),
+    evals_per_epoch=('judging', int, "accuracy checks per epoch"),
+    lr=('bench', float, "maximum learning rate of `fit_one_cycle`"),
+    profile=('bench', bool, "also time the pieces of one filtered step per method that scores batches"))
 
+def _switch(name:str, v) -> bool|None:
+    "An 'auto'/'yes'/'no' setting: None (the preset's) for 'auto'"
+    if v not in SWITCH: raise ValueError(f"`{name}` must be 'auto', 'yes' or 'no', got {v!r}")
+    return None if v == 'auto' else v == 'yes'
+
+def bench_settings(preset:str, data:str='auto', methods:str|None=None, model:str|None=None, epochs:int|None=None,
+                   seeds:int|None=None, **more) -> tuple:
+    "`(BenchData, methods, design settings, Judging, lr, profile)`: the preset's values, each overridden where given"
+    if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if bad := sorted(set(more) - set(MORE)):
+        raise TypeError(f"lf_bench() got an unexpected keyword argument {bad[0]!r}; its other settings are {', '.join(MORE)}")
+    pre, given = PRESETS[preset], {k: v for k, v in more.items() if v is not None}
+    for k in ('augment', 'controls'):
+        if k in given and (v := _switch(k, given.pop(k))) is not None: given[k] = v
+    own = lambda who: {k: v for k, v in given.items() if MORE[k][0] == who}
+    bd = replace(pre.data, data=data, **({} if model is None else dict(model=model)), **own('data'))
+    design = dict(pre.design) | {k: v for k, v in dict(epochs=epochs, seeds=seeds).items() if v is not None} | own('design')
+    judging = replace(pre.judging, metric='accuracy', lower_is_better=False, **own('judging'))
+    return bd, methods or pre.methods, design, judging, given.get('lr', pre.lr), given.get('profile', False)
+
+# %% ../nbs/10_bench.ipynb #7b8e16a3
 def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
     "Save the data settings of a run in `out`; on `resume`, check the saved ones match and return the saved runs' score cost"
     f = out / 'bench.json'
@@ -113,13 +189,6 @@ def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
     conf = out / 'comparison.json'
     return json.loads(conf.read_text())['score_cost'] if resume and conf.exists() and (out / 'runs.jsonl').exists() else None
 
-def _preset_target(pre:dict, data_name:str, epochs:int, lr:float, bs:int, n_train, augment:bool, label_noise:float, model:str) -> float|None:
-    "The preset's target fixed in advance, where the run is the preset as its reference runs were (its data, size, schedule, rate, model); else None"
-    same = (data_name == 'fashion_mnist' and model == pre.get('model', 'cnn') and not label_noise and (epochs, lr, bs, n_train, augment)
-            == (pre['epochs'], pre['lr'], pre['bs'], pre['n_train'], pre['augment']))
-    return pre.get('target') if same else None
-
-@functools.lru_cache(maxsize=2)
 def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool, confusable:bool=False) -> tuple:
     "`(dls, name)` of the bench's data, loaded once per process for every fit that asks"
     dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise, **(dict(confusable=True) if confusable else {}))
@@ -137,96 +206,83 @@ class BenchLearners:
     def __call__(self) -> Learner: return bench_learner(self.dls, self.model)
     def proxy(self, width:float) -> nn.Module: return make_model(self.proxy_model or self.model, self.dls, width)
 
-def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
-         preset:str='main', # `main` (the main job: the Batch Loss Filter with every control, 5 seeds, minutes), `quick` (every default method once, no controls), `compute` (the bench CNN where training is compute-bound, every control, 6 seeds), `long` (clean, short schedule at the plain model's plateau, every control) `aug` (crop and flip, long schedule at its plateau, every control) or `noisy` (20% of 10,000 training labels wrong, the MLP over 20 epochs, where it memorises them; the raw-loss filters beside their reference-scored variants and `drop`, 6 seeds)
-         epochs:int=None, # epochs per fit (a method's own `epochs=` setting overrides it); default: the preset's
-         seeds:int=None, # train every method from this many seeds (model initialisation and data order): `seed`, `seed+1`, ...; default: the preset's
-         bs:int=None, # batch size; default: the preset's
-         lr:float=None, # maximum learning rate of `fit_one_cycle`; default: the preset's
-         methods:str=None, # space-separated methods, e.g. "baseline blf sb sb:keep=.3,start=.2 topk:proxy=.25" (`proxy=`: scored by the model at that share of its widths); default: the preset's
-         seed:int=0, # seed for the model initialisation and the data order
-         out:str='bench_out', # folder for results.json and the plots
-         repeats:int=1, # runs of every method (interleaved); medians and spreads when > 1
-         target:float=None, # target validation accuracy for the time to target; default: from `reference_seeds`, else the preset's own (fixed in advance, where the run is the preset), else baseline's final accuracy - `target_drop`
-         target_drop:float=None, # that last default: this much below the baseline's final accuracy (0.2 points when None)
-         reference_seeds:int=0, # plain runs on this many further seeds, not judged, fix the target at the knee of their curve (0: none, else at least 3)
-         n_train:int=None, # use only this many training examples (0: all); default: the preset's
-         n_valid:int=None, # use only this many validation examples (0: all); default: the preset's
-         evals_per_epoch:int=None, # accuracy checks per epoch for the time to target (extra ones untimed); default: the preset's
-         controls:str='auto', # `yes`: also run the equal-compute baselines and the random controls, `no`: not, `auto`: the preset's
-         budgets:str=None, # shares of `epochs` for the equal-compute baselines; default: the preset's
-         score_cost:float=None, # a scored example's cost in training steps; default: counted in operations on the model (`--work time`: timed)
-         work:str='flops', # `flops`: scoring and proxies charged by counted operations, the same on every machine; `time`: by measured step times
-         profile:bool=False, # also time the pieces of one filtered step per method that scores batches
-         probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model` at its default `every=50` (one-epoch fits, three or `repeats`), to probe_cost.json
-         model:str=None, # the model: `cnn` (the bench CNN), `mlp` (a cheap model), `wrn` (a small residual network); default: the preset's
-         proxy_model:str=None, # the family of a method's proxy (`proxy=` its width share): one of the models; default: the model's own
-         augment:str='auto', # `yes`: random crop and flip of the training images (`CropFlip`), `no`: none, `auto`: the preset's
-         label_noise:float=None, # share of training labels changed to a wrong class, in [0, 1) (validation labels stay clean); default: the preset's (0 but in `noisy`)
-         confusable:bool=False, # with `label_noise`: change only the labels of classes a person confuses (Fashion-MNIST's T-shirt/top, pullover and shirt), each to another of them
-         quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
-         resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end (same data and settings)
-         alpha:float=.05, # the level of every test: a method pays when the one-sided test over seeds shows it at this error rate; intervals at 1 - 2*alpha
-         jobs:int=1): # fits trained side by side, each in its own process on its share of the cores (`make bench`: one per core); 1: one after another here
-    "Train the bench model with and without each loss filter and compare time and work to accuracy (`compare_filters` on the bench Learner)"
-    if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
-    pre = PRESETS[preset]
-    epochs, evals_per_epoch, lr = (_preset_value(v, k, pre) for v, k in ((epochs, 'epochs'), (evals_per_epoch, 'evals_per_epoch'), (lr, 'lr')))
-    methods, budgets, n_train, n_valid, bs = (_preset_value(v, k, pre) for v, k in ((methods, 'methods'), (budgets, 'budgets'),
-                                                                                  (n_train, 'n_train'), (n_valid, 'n_valid'), (bs, 'bs')))
-    seeds, model = _preset_value(seeds, 'seeds', pre), _preset_value(model, 'model', pre)
-    label_noise = pre.get('label_noise', 0.) if label_noise is None else label_noise
-    controls, augment = _switch('controls', controls, pre), _switch('augment', augment, pre)
+# %% ../nbs/10_bench.ipynb #d8c165c9
+def lf_bench(preset:str='main', # the bench setting to start from: `main` (the main job), `quick`, `compute`, `long`, `aug` or `noisy` (`PRESETS`)
+             data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
+             methods:str=None, # space-separated methods, e.g. "baseline blf sb:keep=.3 topk:proxy=.25"; default: the preset's
+             model:str=None, # the network: `cnn`, `mlp` or `wrn`; default: the preset's
+             epochs:int=None, # epochs of the full schedule (a method's own `epochs=` overrides it); default: the preset's
+             seeds:int=None, # train every method from this many seeds; default: the preset's
+             out:str='bench_out', # folder for the runs, results.json, summary.txt and the figures
+             resume:bool=False, # go on from the runs saved in `out` by the same command cut off before its end
+             jobs:int=1, # fits trained side by side, each in its own process on its share of the cores; 1: one after another here
+             quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
+             probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model`, to probe_cost.json
+             **more): # any other setting by name (`MORE`): the data's (`bs`, `n_train`, `label_noise`...), the design's, the judging's, `lr`
+    "Train the bench model with and without each loss filter and compare work and time to accuracy (`compare_filters`)"
+    bd, methods, design, judging, lr, profile = bench_settings(preset, data, methods, model, epochs, seeds, **more)
     specs = methods.split()
     for s in specs: parse_method(s)
-    if epochs < 1 or repeats < 1 or evals_per_epoch < 1 or seeds < 1:
-        raise ValueError("`epochs`, `repeats`, `evals_per_epoch` and `seeds` must be >= 1")
-    if score_cost is not None and not score_cost >= 0: raise ValueError(f"`score_cost` must be >= 0, got {score_cost!r}")
-    for k, v in dict(model=model, proxy_model=proxy_model or model).items():
-        if v not in MODELS: raise ValueError(f"`{k}` must be one of {', '.join(MODELS)}, got {v!r}")
-    check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)   # each test's error rate: .05 for 5%
+    with warnings.catch_warnings():   # checked before the data loads; `compare_filters` says what it warns of
+        warnings.simplefilter('ignore')
+        plan = Design(specs, **design)
     check_int('jobs', jobs, 1)
-    if confusable and not label_noise: raise ValueError("`confusable` says which labels `label_noise` changes: pass a `label_noise` above 0 with it")
-    dls, data_name = _bench_dls(data, bs, n_train or None, n_valid or None, seed, label_noise, augment, confusable)
-    make = BenchLearners(data_name, bs, n_train or None, n_valid or None, seed, label_noise, augment, model, proxy_model, confusable)   # the same data in every worker
+    seed = plan.seed   # it also draws the data's subsets
+    dls, data_name = _bench_dls(bd.data, bd.bs, bd.n_train or None, bd.n_valid or None, seed, bd.label_noise, bd.augment, bd.confusable)
+    make = BenchLearners(data_name, bd.bs, bd.n_train or None, bd.n_valid or None, seed, bd.label_noise, bd.augment, bd.model,
+                         bd.proxy_model, bd.confusable)   # the same data in every worker
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    if probe_cost: return _probe_cost(dls, data_name, model, seed, out, max(repeats, 3))
+    if probe_cost: return _probe_cost(dls, data_name, bd.model, seed, out, max(plan.repeats, 3))
     threads = cores_each(jobs) if jobs > 1 else torch.get_num_threads()
-    print(f"lf_bench: {data_name}, model {model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
-          f"{' (crop and flip)' if augment else ''}, bs={bs}, "
-          f"epochs={epochs}, lr={lr}, seeds={seed}..{seed + seeds - 1}, repeats={repeats}, "
-          + (f"{jobs} fits at a time, {threads} torch thread(s) each" if jobs > 1 else f"torch threads={threads}")
-          + (f", {label_noise:.0%} of the training labels wrong" + (' (within classes a person confuses)' if confusable else '') if label_noise else ''))
-    if target is None and not reference_seeds: target = _preset_target(pre, data_name, epochs, lr, bs, n_train, augment, label_noise, model)
-    saved_cost = _check_resume(out, dict(data=data_name, model=model, proxy_model=proxy_model or model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), bs=bs,
-                                         augment=augment, label_noise=label_noise, seed=seed) | (dict(confusable=True) if confusable else {}), resume)   # `seed` draws the split and the subsets
-    cost = saved_cost if saved_cost is not None else score_cost   # None: `compare_filters` counts it (and times it beside)
-    def announce(s, sd, rep, kind): print(f"== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{repeats})")
+    print(_bench_line(data_name, bd, preset, dls, plan, lr, jobs, threads))
+    if judging.target is None and not plan.reference_seeds:
+        judging = replace(judging, target=PRESETS[preset].target_for(data_name, bd, plan.epochs, lr))
+    saved_cost = _check_resume(out, _data_settings(data_name, bd, dls, seed), resume)
+    if saved_cost is not None: judging = replace(judging, score_cost=saved_cost)   # None: `compare_filters` counts it (and times it beside)
+    def announce(s, sd, rep, kind): print(f"== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{plan.repeats})")
     with (fit_executor(jobs, threads) if jobs > 1 else contextlib.nullcontext()) as ex:
-        cmp = compare_filters(make, methods, make_proxy=make.proxy, epochs=epochs, lr=lr, seeds=seeds, seed=seed, controls=controls, budgets=budgets,
-                              metric='accuracy', lower_is_better=False, target=target, target_drop=target_drop, evals_per_epoch=evals_per_epoch,
-                              check=valid_accuracy, score_cost=cost, work=work, reference_seeds=reference_seeds, repeats=repeats, folder=out, resume=resume,
-                              show_progress=False, on_run=announce if jobs == 1 else None, show_fits=not quiet and jobs == 1 and sys.stdout.isatty(), diagnostics=True,
-                              add_baseline=False, alpha=alpha, executor=ex, threads=threads if jobs > 1 else None)
-    runs = cmp.runs
-    cost, st = cmp.settings['score_cost'], cmp.settings
+        running = Running(executor=ex, threads=threads if jobs > 1 else None, folder=out, resume=resume, show_progress=False,
+                          on_run=announce if jobs == 1 else None, show_fits=not quiet and jobs == 1 and sys.stdout.isatty(), diagnostics=True)
+        cmp = compare_filters(make, methods, lr=lr, check=valid_accuracy, make_proxy=make.proxy, judging=judging, running=running,
+                              add_baseline=False, **plan.settings())
+    saved = dict(data=data_name, model=bd.model, proxy_model=bd.proxy_model or bd.model, preset=preset, n_train=len(dls.train_ds),
+                 n_valid=len(dls.valid_ds), augment=bd.augment, label_noise=bd.label_noise, confusable=bd.confusable, bs=bd.bs,
+                 epochs=plan.epochs, lr=lr, seed=seed, seeds=plan.seeds, repeats=plan.repeats, evals_per_epoch=judging.evals_per_epoch)
+    return _bench_report(cmp, dls, specs, out, profile, bd, saved)
+
+def _data_settings(data_name:str, bd:BenchData, dls, seed:int) -> dict:
+    "What a resumed run's data must match: the data set, its sizes, labels and transforms, the models, and the seed that drew them"
+    return (dict(data=data_name, model=bd.model, proxy_model=bd.proxy_model or bd.model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds),
+                 bs=bd.bs, augment=bd.augment, label_noise=bd.label_noise, seed=seed) | (dict(confusable=True) if bd.confusable else {}))
+
+def _bench_line(data_name:str, bd:BenchData, preset:str, dls, plan:Design, lr:float, jobs:int, threads:int) -> str:
+    "The run's first line: its data, model, schedule, seeds and threads"
+    return (f"lf_bench: {data_name}, model {bd.model}, preset {preset}, {len(dls.train_ds)} train / {len(dls.valid_ds)} valid"
+            f"{' (crop and flip)' if bd.augment else ''}, bs={bd.bs}, "
+            f"epochs={plan.epochs}, lr={lr}, seeds={plan.seed}..{plan.seed + plan.seeds - 1}, repeats={plan.repeats}, "
+            + (f"{jobs} fits at a time, {threads} torch thread(s) each" if jobs > 1 else f"torch threads={threads}")
+            + (f", {bd.label_noise:.0%} of the training labels wrong" + (' (within classes a person confuses)' if bd.confusable else '')
+               if bd.label_noise else ''))
+
+def _bench_report(cmp, dls, specs:list, out:Path, profile:bool, bd:BenchData, saved:dict) -> dict:
+    "Print and save what the comparison found, with the figures, and each scoring method's profile (`profile`)"
+    runs, st = cmp.runs, cmp.settings
+    cost = st['score_cost']
     print(f"a scored example costs {cost:.3f} training steps on this model ({'counted in operations' if st.get('work') == 'flops' else 'timed'}"
           + (f"; timed here {st['score_cost_timed']:.3f}" if st.get('score_cost_timed') else '') + ')')
     scored = [s for s in specs if (c := parse_method(s).cls) is not None and issubclass(c, LossFilterCallback)
-              and c.select is not LossFilterCallback.select]
-    prof = {s: profile_step(dls, s, model=model, proxy_model=proxy_model) for s in scored} if profile else {}   # methods with a scoring pass and a selector
-    res = cmp.results(data=data_name, model=model, proxy_model=proxy_model or model, preset=preset, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds), augment=augment,
-                      label_noise=label_noise, confusable=confusable, bs=bs, epochs=epochs, lr=lr, seed=seed, seeds=seeds, repeats=repeats, evals_per_epoch=evals_per_epoch,
-                      score_cost=cost, work=st.get('work'), profile=prof)
+              and c.select is not LossFilterCallback.select]   # methods with a scoring pass and a selector
+    prof = {s: profile_step(dls, s, model=bd.model, proxy_model=bd.proxy_model) for s in scored} if profile else {}
+    res = cmp.results(**saved, score_cost=cost, work=st.get('work'), profile=prof)
     paths = cmp.save(out, res)   # the results made once, written as they are returned
-    kept = kept_figure(runs)   # `cmp.save` wrote the metric against work and seconds; the share kept per batch and each filter's diagnostics besides
+    kept = kept_figure(runs)   # `cmp.save` wrote the metric against work and seconds; the share kept per batch and the diagnostics besides
     plots = ([save_figure(kept, out / 'kept_per_batch.png')] if kept is not None else []) + [r['diagnostics'] for r in runs if r['diagnostics']]
     print(f"\n{cmp}\nEvery figure of every method and control, and every test in words: {out / 'summary.txt'}")
-    for s, p in prof.items():
-        print(profile_line(s, p))
+    for s, p in prof.items(): print(profile_line(s, p))
     print("wrote " + ', '.join(str(p) for p in paths + plots))
     return res
 
+# %% ../nbs/10_bench.ipynb #2c31f0db
 def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path, repeats:int=3) -> dict:
     "`lf_bench --probe_cost`: the probe's cost over `repeats` fits, printed and written to probe_cost.json"
     run_fit(partial(bench_learner, dls, model), 'baseline', epochs=1, lr=3e-3, seed=seed)   # warm-up, not reported
@@ -239,6 +295,7 @@ def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path, repeats:int=3
           f"α's start {r.get('alpha_start_ms', 0):.1f} ms, α's end {r.get('alpha_end_ms', 0):.1f} ms; torchjd's Gramian alone {r['torchjd_gramian_ms']:.1f} ms")
     return r
 
+# %% ../nbs/10_bench.ipynb #db173f8a
 def _spelled_for(parser, argv:list) -> list:
     "`argv` with every `--long_option` or `--long-option` spelled as `parser` knows it (fastcore 1 uses `_`, fastcore 2 `-`)"
     known = {o[2:].replace('-', '_'): o for o in parser._option_string_actions if o.startswith('--')}
@@ -248,12 +305,26 @@ def _spelled_for(parser, argv:list) -> list:
         return known.get(name.replace('-', '_'), a) + eq + val
     return [fix(a) for a in argv]
 
-def main():
-    "The `lf_bench` console script: `lf_bench`'s docments parsed as `call_parse` parses them, with the choices of its options; `--n_train` or `--n-train` under any fastcore"
+def bench_parser():
+    "`lf_bench`'s command line: its own options from their docments, then every other setting (`MORE`), with their choices"
     p = anno_parser(lf_bench)
-    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS), proxy_model=tuple(MODELS), controls=SWITCH, augment=SWITCH, work=('flops', 'time'))
+    p._remove_action(more := next(a for a in p._actions if a.dest == 'more'))   # `**more` is spelled out below, one option each
+    p._positionals._group_actions.remove(more)
+    dash = '-' if any(o.startswith('--probe-') for o in p._option_string_actions) else '_'   # as this fastcore spells options
+    group = p.add_argument_group("more settings (default: the preset's)")
+    for k, (_, typ, help_) in MORE.items():
+        opt = '--' + k.replace('_', dash)
+        if typ is bool: group.add_argument(opt, dest=k, action='store_true', default=None, help=help_)
+        elif isinstance(typ, tuple): group.add_argument(opt, dest=k, choices=typ, default=None, help=help_)
+        else: group.add_argument(opt, dest=k, type=typ, default=None, help=help_)
+    choices = dict(data=DATASETS, preset=tuple(PRESETS), model=tuple(MODELS))
     for a in p._actions:   # argparse refuses any other value before any work, naming the choices
         if a.dest in choices: a.choices = choices[a.dest]
+    return p
+
+def main():
+    "The `lf_bench` console script; `--n_train` or `--n-train` under any fastcore"
+    p = bench_parser()
     args = vars(p.parse_args(_spelled_for(p, sys.argv[1:])))
     for k in ('pdb', 'xtra'): args.pop(k, None)   # fastcore's own options
     lf_bench(**args)

@@ -377,9 +377,12 @@ def test_console_script_refuses_an_unknown_choice_before_any_work(opt, bad, monk
 def test_aug_preset_settings_are_pinned():
     "The regime the recipes were published for: crop and flip, 68 epochs (the plain model's plateau), every control"
     from loss_filters.bench import PRESETS
-    assert PRESETS['aug'] == dict(epochs=68, evals_per_epoch=1, augment=True, controls=True, lr=4.8e-2, bs=128, n_train=5_000,
-                                  n_valid=5_000, methods='baseline blf sb stale hide', budgets='.6 .75 .9 1.25', model='cnn', seeds=1, target=.8029)
-    assert PRESETS['long']['augment'] is False   # the clean, short-schedule regime stays beside it
+    from loss_filters.bench import BenchData
+    aug = PRESETS['aug']
+    assert aug.data == BenchData(n_train=5_000, n_valid=5_000, bs=128, augment=True, model='cnn')
+    assert (aug.methods, aug.lr, dict(aug.design), aug.judging.evals_per_epoch, aug.target) == (
+        'baseline blf sb stale hide', 4.8e-2, dict(epochs=68, seeds=1, budgets='.6 .75 .9 1.25', controls=True), 1, .8029)
+    assert PRESETS['long'].data.augment is False   # the clean, short-schedule regime stays beside it
 
 @pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_a_shortened_aug_preset_runs_with_its_controls(tmp_path):
@@ -457,8 +460,8 @@ def test_main_preset_settings_are_pinned():
     "`make bench`: the Batch Loss Filter with every control on 5 seeds of the cheap model, plain schedules on both sides of the full one"
     from loss_filters.bench import PRESETS
     pre = PRESETS['main']
-    assert (pre['methods'], pre['seeds'], pre['model'], pre['controls'], pre['epochs']) == ('baseline blf', 5, 'mlp', True, 4)
-    assert budget_specs(pre['epochs'], pre['budgets']) == [f'baseline:epochs={k}' for k in (2, 3, 5, 6)]
+    assert (pre.methods, pre.design['seeds'], pre.data.model, pre.design['controls'], pre.design['epochs']) == ('baseline blf', 5, 'mlp', True, 4)
+    assert budget_specs(pre.design['epochs'], pre.design['budgets']) == [f'baseline:epochs={k}' for k in (2, 3, 5, 6)]
 
 @pytest.mark.tooling   # the command line and presets: once, in the first pass (conftest.py)
 def test_the_main_job_ends_with_an_answer(tmp_path):

@@ -36,3 +36,24 @@ def test_every_method_name_parses_and_judges_alike():
     for name in METHODS:
         a, b = parse_method(name), judged_method(name)
         assert (a.plain, a.batch, a.chooses, dict(a.kw)) == (b.plain, b.batch, b.chooses, dict(b.kw))
+
+def _modules():
+    from pathlib import Path
+    import loss_filters
+    return sorted(p for p in Path(loss_filters.__file__).parent.glob('*.py') if p.name != '_modidx.py')
+
+def test_classes_read_on_a_screen_or_two():
+    "No class passes 150 lines: a class of several concerns is split into collaborators or mixins"
+    import ast
+    long = [f"{p.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)" for p in _modules() for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 150]
+    assert not long, long
+
+def test_lines_and_docstrings_are_short():
+    "Lines within 150 characters, and docstrings of a sentence (at most 130 characters), the detail in the notebooks' prose"
+    import ast
+    wide = [f"{p.name}:{i}" for p in _modules() for i, l in enumerate(p.read_text().splitlines(), 1) if len(l) > 150]
+    assert not wide, wide
+    docs = [f"{p.name}:{n.name}" for p in _modules() for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and len(ast.get_docstring(n) or '') > 130]
+    assert not docs, docs

@@ -87,8 +87,8 @@ def test_short_labels_say_the_controls_in_words():
 def test_the_defaults_agree_with_each_other():
     "The default `budgets` give four distinct plain schedules at the default 5 epochs, without a warning"
     import inspect, warnings
-    from loss_filters.plan import plain_schedules as _plain_schedules
-    budgets, epochs = (inspect.signature(compare_filters).parameters[k].default for k in ('budgets', 'epochs'))
+    from loss_filters.plan import plain_schedules as _plain_schedules, Design
+    budgets, epochs = (inspect.signature(Design).parameters[k].default for k in ('budgets', 'epochs'))   # what `compare_filters` trains by default
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert _plain_schedules(epochs, budgets) == ['baseline:epochs=3', 'baseline:epochs=4', 'baseline:epochs=6', 'baseline:epochs=7']
