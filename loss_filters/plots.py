@@ -11,8 +11,8 @@ from .verdicts import control_roles, payoff_word
 from .report import metric_label, short_label, ci_level
 
 # %% auto #0
-__all__ = ['plot_colors', 'plain_markers', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure', 'plot_results',
-           'plot_budget']
+__all__ = ['LEGEND_MAX', 'plot_colors', 'plain_markers', 'budget_figure', 'time_figure', 'kept_figure', 'save_figure',
+           'plot_results', 'plot_budget']
 
 # %% ../nbs/07_plots.ipynb #479eaf27
 def _plt():
@@ -26,14 +26,14 @@ def _axes(ax, size):
 _PALETTE = ['tab:orange', 'tab:green', 'tab:red', 'tab:purple', 'tab:brown', 'tab:pink', 'tab:olive', 'tab:cyan', 'tab:blue']
 
 def plot_colors(names:list, control_of:dict|None=None) -> dict:
-    "A colour per method, for every figure of a comparison: the plain model black, each other schedule its own grey (lighter the shorter), each method its own colour (none near black), each control its method's; a control judged in its own right (the filter a proxy's method is compared with, when it has controls of its own) is a method"
+    "A colour per method for every figure of a comparison: the plain model black, its other schedules grey, each control its method's"
     names, control_of = list(dict.fromkeys(names)), control_of or {}
     judged = {m for m, cs in control_of.items() if cs}
     of = {c: m for m, cs in control_of.items() for c in cs if c not in judged}
     plain = lambda m: m == 'baseline' or (m.startswith('baseline:') and m not in of)
     others = sorted((m for m in names if plain(m) and m != 'baseline'), key=_epochs_in)
     out = {'baseline': 'black'} if 'baseline' in names else {}
-    out |= {m: str(round(.7 - .45 * i / max(len(others) - 1, 1), 2)) for i, m in enumerate(others)}   # matplotlib's grey levels, '0.7' light
+    out |= {m: str(round(.7 - .45 * i / max(len(others) - 1, 1), 2)) for i, m in enumerate(others)}   # grey levels, '0.7' light
     mine = [m for m in names if m not in out and m not in of]
     out |= {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(mine)}
     return out | {c: out.get(m, 'grey') for c, m in of.items() if c in names}
@@ -59,35 +59,56 @@ def _spread_x(xs:list, width:float) -> list:
         out.append(x + k * width)
     return out
 
-def _legend_outside(ax):
-    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False)
+LEGEND_MAX = 8   # legend entries a figure shows; beyond, each line or point is named where it is drawn
+
+def _legend_outside(ax, handles=None, labels=None):
+    "The legend right of the axes, in small type"
+    args = () if handles is None else (handles, labels)
+    ax.legend(*args, fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False)
+
+def _name_at(ax, x:float, y:float, text:str, color, above:int=0, left:bool=False):
+    "`text` beside the point `(x, y)` in its colour: `above` lines higher where names would overlap, `left` of it near the right edge"
+    ax.annotate(text, (x, y), xytext=(-5 if left else 5, 3 + 9 * above), textcoords='offset points', fontsize=7, color=color,
+                ha='right' if left else 'left')
+
+def _crowd(pts:list, near:tuple) -> list:
+    "For each point, how many points before it lie within `near` (dx, dy) of it: the lines its name is raised by"
+    return [sum(abs(x - a) < near[0] and abs(y - b) < near[1] for a, b in pts[:i]) for i, (x, y) in enumerate(pts)]
 
 def budget_figure(rows:list, # the summary rows
-                  budgets:list, # the other plain schedules (`baseline:epochs=k`)
+                  plain:list, # the other plain schedules (`baseline:epochs=k`)
                   control_of:dict, # method -> its controls
                   label:str='validation accuracy', # the metric's name on the y axis
                   sign:int=1, # -1 where the rows hold a lower-is-better metric negated
                   ax=None, # draw on these axes; default a new figure
                   target:float|None=None, # the oriented target, drawn as a line
                   colors:dict|None=None): # method -> colour (`plot_colors`); the same in every panel
-    "Final value against work (plain epochs): the two alternatives as curves (the plain model's schedules, random choice at every share run), each method as a point with the interval its test at equal work uses, and the two controls its verdict rests on (the plain model and random choice at its work, told apart by shape)"
+    "Final value against work: training less and random choice as curves, each method with its test's interval"
     from matplotlib.lines import Line2D
     ax, label = _axes(ax, (9, 4.5)), metric_label(label)
     col = colors or plot_colors([r['method'] for r in rows], control_of)
-    by, plain = {r['method']: r for r in rows}, [*budgets, 'baseline']
+    by, schedules = {r['method']: r for r in rows}, [*plain, 'baseline']
     pts = lambda names: sorted((by[m]['work'], sign * by[m]['final_metric']) for m in names if m in by and by[m].get('work') is not None)
-    curve, rand = pts(plain), pts([m for m in by if judged_method(m).name in BLIND])
+    curve, rand = pts(schedules), pts([m for m in by if judged_method(m).name in BLIND])
     ax.plot(*zip(*curve), 'o-', color='black', lw=1.2, ms=5, label='plain model, its schedules (training less)')
     if rand: ax.plot(*zip(*rand), 'x--', color='grey', lw=1, ms=5, label='random choice at every share run (a smaller batch)')
     controls = control_specs(control_of)
-    methods = [m for m, r in by.items() if m not in plain and m not in controls and r.get('work') is not None]
+    methods = [m for m, r in by.items() if m not in schedules and m not in controls and r.get('work') is not None]
+    named = len(methods) + 5 > LEGEND_MAX   # too many for the legend: each method named beside its point
     span = (max(w for w, _ in curve) - min(w for w, _ in curve)) or 1.
-    xs = dict(zip(methods, _spread_x([by[m]['work'] for m in methods], span / 60)))   # methods of about the same work side by side, not on top of each other
+    xs = dict(zip(methods, _spread_x([by[m]['work'] for m in methods], span / 60)))   # methods of about the same work side by side
+    ys = [sign * by[m]['final_metric'] for m in methods]
+    height = max(ys + [y for _, y in curve]) - min(ys + [y for _, y in curve])
+    raised = dict(zip(methods, _crowd(list(zip(xs.values(), ys)), (span / 6, height / 25))))
+    right = max(w for w, _ in curve) - span / 2   # names of points past it go to their left, clear of the legend
     for m in methods:
         r = by[m]
         c, v, y = col.get(m, 'grey'), r.get('at_work'), sign * r['final_metric']
-        err = [[max(0., v['diff'] - v['lo'])], [max(0., v['hi'] - v['diff'])]] if v and v.get('lo') is not None else None   # the test's interval, around the method's value
-        ax.errorbar(xs[m], y, yerr=err, fmt='o', ms=7, capsize=3, color=c, label=f"{m}: {payoff_word(r, bool(budgets))}")
+        err = ([[max(0., v['diff'] - v['lo'])], [max(0., v['hi'] - v['diff'])]]
+               if v and v.get('lo') is not None else None)   # the test's interval, around the method's value
+        text = f"{short_label(m) if named else m}: {payoff_word(r, bool(plain))}"
+        ax.errorbar(xs[m], y, yerr=err, fmt='o', ms=7, capsize=3, color=c, label=None if named else text)
+        if named: _name_at(ax, xs[m], y, text, c, raised[m], xs[m] > right)
         roles = control_roles(m, control_of.get(m, []))
         for role, shape in (('same_plain', 's'), ('same_random', '^')):
             if (cr := by.get(roles.get(role))) is not None and cr.get('work') is not None:
@@ -98,7 +119,7 @@ def budget_figure(rows:list, # the summary rows
     l += ["the plain model at a method's work (its colour)", "random choice at a method's work (its colour)"]
     ax.set(xlabel='work (plain epochs: examples trained, and scored at their cost)', ylabel=f'final {label} (median over seeds)',
            title=f'Final value against work (bars: the {ci_level(rows)}% interval of the test at equal work)')
-    ax.legend(h, l, fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False); ax.figure.tight_layout()
+    _legend_outside(ax, h, l); ax.figure.tight_layout()
     return ax.figure
 
 def _median_curve(rs:list, sign:int) -> tuple:
@@ -115,13 +136,16 @@ def time_figure(runs:list, # the runs
                 sign:int=1, # -1 where the runs hold a lower-is-better metric negated
                 ax=None, # draw on these axes; default a new figure
                 colors:dict|None=None, # method -> colour (`plot_colors`); the same in every panel
-                controls:list|None=None): # the controls' names: drawn dashed
-    "The metric at every check against training seconds, one line for each method and each plain schedule (the median over its seeds; the controls are in the table), and the target"
+                controls:list|None=None): # the controls' names: left out (they are in the table)
+    "The metric at every check against training seconds: one line for each method and plain schedule, and the target"
     ax, label, controls = _axes(ax, (9, 4.5)), metric_label(label), controls or []
     col, mk = colors or plot_colors([r['method'] for r in runs]), plain_markers([r['method'] for r in runs if r['method'] not in controls])
-    for m in dict.fromkeys(r['method'] for r in runs if r['method'] not in controls):
-        ax.plot(*_median_curve([x for x in runs if x['method'] == m], sign), mk.get(m, 'o') + ('--' if m in controls else '-'), color=col.get(m, 'grey'),
-                label=short_label(m), ms=3, lw=1.2, mfc='none' if m in controls else None)
+    names = list(dict.fromkeys(r['method'] for r in runs if r['method'] not in controls))
+    named = len(names) + 1 > LEGEND_MAX   # too many for the legend: each line named at its end
+    for m in names:
+        xs, ys = _median_curve([x for x in runs if x['method'] == m], sign)
+        ax.plot(xs, ys, mk.get(m, 'o') + '-', color=col.get(m, 'grey'), label=None if named else short_label(m), ms=3, lw=1.2)
+        if named: _name_at(ax, xs[-1], ys[-1], short_label(m), col.get(m, 'grey'))
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
     late = [sign * e['metric'] for r in runs for e in r['history'][len(r['history']) // 2:]]
     ax.set(xlabel='training seconds (median over seeds)', ylabel=f'{label} (median over seeds)', title='The metric against training time')
