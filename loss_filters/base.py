@@ -117,85 +117,9 @@ class DataRangeHistogram(ScoreHistogram):
         nz = self.table()[0][:, 0].sum(0).nonzero() if self.seen else []
         return (float(self.edges[int(nz[0])]), float(self.edges[int(nz[-1]) + 1])) if len(nz) else None
 
-# %% ../nbs/00a_base.ipynb #49d4ac3e
-class LossFilterBase(Callback):
-    "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
-    order,run_valid = MixHandler.order-1,False
-    name = 'loss_filter' # `learn.loss_filter`; a class-derived name would shadow the `Learner.batch_loss_filter` patch
-    def __init__(self, score:str='loss', # what is ranked: 'loss' or 'grad_norm' (at the model's output)
-                 reference=None, # rank by the loss minus a reference loss per example: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
-                 reference_model:nn.Module|None=None, # with 'crossfit': the references' architecture; default the Learner's model
-                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
-        self.score = check_score(score)
-        self.refs = None   # the `ReferenceLosses`, computed at the first training batch
-        if reference is not None:
-            from .reference import ReferenceLosses   # it uses this module's helpers
-            if score != 'loss': raise ValueError(f"`reference` subtracts a reference loss: it needs `score='loss'`, got {score!r}")
-            self.refs = ReferenceLosses(reference, reference_model, reference_epochs)
-        elif reference_model is not None: raise ValueError("`reference_model` is the references' architecture: pass it with `reference='crossfit'`")
-        self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
-        self.n_fits = 0        # fits that trained: the records hold the last one's
-
-    hist_bins,hist_rows = 64,512 # the `DataRangeHistogram` of each fit: its log bins, its rows of iterations
-    @property
-    def hist_range(self) -> tuple:
-        "`(lo, hi)` of the score histogram's bins: the range of the last fit's scores"
-        h = getattr(self, 'hist', None) or DataRangeHistogram(self.hist_bins, 2)
-        return h.lo, h.hi
-    _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
-    same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
-    pooled_step = False # whether this training step trains on a pooled batch (`fill_batch`) instead of rows of the loader's batch
-    _stateattrs = ('gen',)   # not pickled: old torch cannot pickle a generator, and a CUDA one would not load on the CPU
-
-    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_loss_checked', 'step_idxs',
-                      'pooled_step'))
-    def __setattr__(self, name, value):
-        "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
-        if name in self._hot: self.__dict__[name] = value
-        else: super().__setattr__(name, value)
-
-    @property
-    def learn(self): return self.__dict__.get('_learn')
-    @learn.setter
-    def learn(self, learn):
-        "`add_cb` sets the Learner, `remove_cb` sets None: joining adds the columns, leaving gives the Learner back as it was"
-        old = self.__dict__.get('_learn')
-        if old is learn: return
-        if old is not None: self._leave(old)
-        self.__dict__['_learn'] = learn
-        if learn is not None: self._join(learn)
-
-    def _join(self, learn:Learner):
-        "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
-        for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
-            warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
-                          "a Learner trains with one filter at a time", stacklevel=4)
-            learn.remove_cb(old)
-        if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
-        if self.columns not in learn.cbs: learn.add_cb(self.columns)
-
-    def _leave(self, learn:Learner):
-        "Give `learn` back as it was before the filter joined, however its last fit ended"
-        self._restore()
-        if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
-
-    def _restore(self):
-        "Undo what a fit changed outside the callback, also when it died by an exception: nothing for the base (the pruners give the loader and the rate back)"
-
-    def before_fit(self):
-        self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
-        self._restore()   # a fit that died by an exception ran no `after_fit`
-        self._training, self._checked, self._loss_checked, self.scoring = False, False, False, False
-        if not self.run: return
-        others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
-        if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
-                                    "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
-        check_per_sample(self.learn.loss_func)
-        if dist_world()[1] > 1: self._check_distributed()
-        if self.refs is not None: self.refs.check(self.learn, type(self).__name__)
-        self.fit_ref = dict(trained=0, scored=0, seconds=0.)   # the references' work in this fit: the fit that computes them pays it
-        self.score_func, self._fresh = self.learn.loss_func, True
-
+# %% ../nbs/00a_base.ipynb #8a9f9fb1
+class _FilterChecks:
+    "A filter's checks: what would let several processes step apart, and why a fit would leave it idle"
     def _check_distributed(self):
         "Refuse what would let the ranks step at different batches: where the kept count depends on the data, it differs by rank"
         if self.same_count: return
@@ -206,23 +130,6 @@ class LossFilterBase(Callback):
         if any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
             raise ValueError(f"{type(self).__name__} cannot run beside `GradientAccumulation` with several processes: it counts "
                              "each rank's kept examples, so the ranks would step at different batches and their weights drift apart")
-
-    def _new_records(self):
-        "Empty records, score histogram and work counters, made at a fit's first training epoch"
-        self.stats, self.epoch_stats, self._warned = L(), L(), False
-        self.fit_trained = self.fit_scored = 0
-        self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
-        self.hist = DataRangeHistogram(self.hist_bins, self.hist_rows)
-        self.n_fits = self.__dict__.get('n_fits', 0) + 1
-        if self.refs is not None and not self.refs.ready:   # once per filter, before its first training batch
-            r = self.refs.compute(self.learn)
-            self.fit_ref = dict(trained=r.trained, scored=r.scored, seconds=r.seconds)
-
-    def reference_work(self) -> dict:
-        "What the reference losses cost in this fit: examples the references trained on and scored, and seconds (all 0 in a fit that reused them)"
-        return dict(getattr(self, 'fit_ref', None) or dict(trained=0, scored=0, seconds=0.))
-
-    def after_fit(self): self._restore()
 
     def _idle_reason(self) -> str|None:
         "Why the filter will not act in this fit, with the setting to change; None when it will act"
@@ -243,10 +150,25 @@ class LossFilterBase(Callback):
         why = self._no_batch() or self._idle_reason()
         if why: warnings.warn(f"{type(self).__name__} will not act in this fit of {self.learn.n_epoch} epoch(s): {why}", stacklevel=2)
 
-    def before_train(self):
-        if self._fresh: self._new_records(); self._warn_if_idle()   # not in `before_fit`, which `learn.validate()` runs too
-        self._fresh, self._training = False, True
-        self._new_epoch()
+# %% ../nbs/00a_base.ipynb #7f2b03d1
+class _FilterRecords:
+    "A filter's records: the epoch's counts and batch tensors folded into `stats`, `hist` and `epoch_stats`, and the fit table's values"
+    _local_sums = ('n_seen', 'n_kept', 'n_trained', 'n_scored', '_n_loss', '_loss_kept', '_loss_scored', '_loss_sum', '_n_bad')
+
+    def _new_records(self):
+        "Empty records, score histogram and work counters, made at a fit's first training epoch"
+        self.stats, self.epoch_stats, self._warned = L(), L(), False
+        self.fit_trained = self.fit_scored = 0
+        self.gen = own_generator(next(self.learn.model.parameters()).device)   # the filter's random draws: never torch's global ones
+        self.hist = DataRangeHistogram(self.hist_bins, self.hist_rows)
+        self.n_fits = self.__dict__.get('n_fits', 0) + 1
+        if self.refs is not None and not self.refs.ready:   # once per filter, before its first training batch
+            r = self.refs.compute(self.learn)
+            self.fit_ref = dict(trained=r.trained, scored=r.scored, seconds=r.seconds)
+
+    def reference_work(self) -> dict:
+        "What the reference losses cost in this fit: examples the references trained on and scored, and seconds (all 0 in a fit that reused them)"
+        return dict(getattr(self, 'fit_ref', None) or dict(trained=0, scored=0, seconds=0.))
 
     def _new_epoch(self):
         "Zero the epoch's counts and sums"
@@ -277,7 +199,8 @@ class LossFilterBase(Callback):
         lfin = torch.where(losses.isfinite(), losses, 0.).to(acc)
         full = _segment_sum(lfin, seg, nb)
         self._loss_kept, self._loss_scored = self._loss_kept + (lfin * mask).sum(), self._loss_scored + full.sum()
-        if getattr(self, 'scale_factor', 1) == 1 and getattr(self, 'proxy', None) is None:   # a downsampled input's loss, or a proxy's, is another quantity: `full_train_loss` leaves it out
+        # a downsampled input's loss, or a proxy's, is another quantity: `full_train_loss` leaves it out
+        if getattr(self, 'scale_factor', 1) == 1 and getattr(self, 'proxy', None) is None:
             self._loss_sum, self._n_loss = self._loss_sum + full.sum(), self._n_loss + int(sum(sizes))
         self._n_bad = self._n_bad + (~ok).sum()
         share = torch.where(total > 0, kept_sum / total.clamp(min=1e-300), 1.).clamp(0, 1)
@@ -312,7 +235,8 @@ class LossFilterBase(Callback):
         if getattr(self, 'score_model', None) is not None:
             return "a proxy (`score_model=`) scores the filtered batches, and the proxy's losses are not the model's"
         if getattr(self, 'scale_factor', 1) != 1:
-            return f"the scoring pass sees inputs downsampled by `scale_factor={self.scale_factor}`: its losses are not the model's on the inputs it trains on"
+            return (f"the scoring pass sees inputs downsampled by `scale_factor={self.scale_factor}`: its losses are not the model's on the "
+                    "inputs it trains on")
 
     def _note_full_loss(self):
         "Say why, once per filter, at the first epoch whose `full_train_loss` is NaN because the scoring pass is not the model's"
@@ -328,6 +252,9 @@ class LossFilterBase(Callback):
 
     def _full_loss(self): return self.epoch_stats[-1]['full_loss'] if self.epoch_stats else math.nan
 
+# %% ../nbs/00a_base.ipynb #f1c68aab
+class _FilterPlots:
+    "A filter's diagnostics: pictures of its records, each one call that returns a matplotlib figure"
     def _epoch_lines(self, ax):
         for e in L(getattr(self, 'epoch_stats', []))[1:]: ax.axvline(e['iter0'], color='grey', lw=.7, ls=':')
 
@@ -408,7 +335,8 @@ class LossFilterBase(Callback):
         return p if p is not None and len(getattr(p, 'stats', ())) else None
 
     def plot_diagnostics(self):
-        "Samples kept and score share kept per batch, and the score histogram heat maps, in one figure; the gradient probe's panels below when there is one"
+        ("Samples kept and score share kept per batch, and the score histogram heat maps, in one figure; the gradient probe's panels below "
+         "when there is one")
         import matplotlib.pyplot as plt
         probe = self.probe()
         fig = plt.figure(figsize=(15, 10.5 if probe else 7), layout='constrained')
@@ -419,6 +347,93 @@ class LossFilterBase(Callback):
         if probe: probe.plot_probe(rows[2].subplots(1, 4))
         fig.suptitle(self.diagnostics_title())
         return fig
+
+# %% ../nbs/00a_base.ipynb #49d4ac3e
+class LossFilterBase(_FilterChecks, _FilterRecords, _FilterPlots, Callback):
+    "What every loss filter shares, batch-level or sampler-level: one per Learner (`learn.loss_filter`), columns, records, plots"
+    order,run_valid = MixHandler.order-1,False
+    name = 'loss_filter' # `learn.loss_filter`; a class-derived name would shadow the `Learner.batch_loss_filter` patch
+    def __init__(self, score:str='loss', # what is ranked: 'loss' or 'grad_norm' (at the model's output)
+                 reference=None, # rank by the loss minus a reference loss per example: 'crossfit', a trained model, or the losses (`ReferenceLosses`)
+                 reference_model:nn.Module|None=None, # with 'crossfit': the references' architecture; default the Learner's model
+                 reference_epochs:int=2): # with 'crossfit': each reference's epochs over its half of the training set
+        self.score = check_score(score)
+        self.refs = None   # the `ReferenceLosses`, computed at the first training batch
+        if reference is not None:
+            from .reference import ReferenceLosses   # it uses this module's helpers
+            if score != 'loss': raise ValueError(f"`reference` subtracts a reference loss: it needs `score='loss'`, got {score!r}")
+            self.refs = ReferenceLosses(reference, reference_model, reference_epochs)
+        elif reference_model is not None: raise ValueError("`reference_model` is the references' architecture: pass it with `reference='crossfit'`")
+        self.scoring = False   # True while the other callbacks' `after_pred` see a scoring pass's output
+        self.n_fits = 0        # fits that trained: the records hold the last one's
+
+    hist_bins,hist_rows = 64,512 # the `DataRangeHistogram` of each fit: its log bins, its rows of iterations
+    @property
+    def hist_range(self) -> tuple:
+        "`(lo, hi)` of the score histogram's bins: the range of the last fit's scores"
+        h = getattr(self, 'hist', None) or DataRangeHistogram(self.hist_bins, 2)
+        return h.lo, h.hi
+
+    same_count = False # whether every batch of a given size keeps the same number of examples (on every rank)
+    pooled_step = False # whether this training step trains on a pooled batch (`fill_batch`) instead of rows of the loader's batch
+    _stateattrs = ('gen',)   # not pickled: old torch cannot pickle a generator, and a CUDA one would not load on the CPU
+
+    _hot = frozenset(('n_seen', 'n_kept', 'n_trained', 'n_scored', 'fit_trained', 'fit_scored', '_plain_step', 'scoring', '_loss_checked',
+                      'step_idxs', 'pooled_step'))
+    def __setattr__(self, name, value):
+        "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's (several us a set)"
+        if name in self._hot: self.__dict__[name] = value
+        else: super().__setattr__(name, value)
+
+    @property
+    def learn(self): return self.__dict__.get('_learn')
+    @learn.setter
+    def learn(self, learn):
+        "`add_cb` sets the Learner, `remove_cb` sets None: joining adds the columns, leaving gives the Learner back as it was"
+        old = self.__dict__.get('_learn')
+        if old is learn: return
+        if old is not None: self._leave(old)
+        self.__dict__['_learn'] = learn
+        if learn is not None: self._join(learn)
+
+    def _join(self, learn:Learner):
+        "Replace the filter `learn` had, if any, and bring the columns along: they need an order of their own, after the `Recorder`'s"
+        for old in learn.cbs.filter(lambda o: isinstance(o, LossFilterBase) and o is not self):
+            warnings.warn(f"{type(self).__name__} replaces {type(old).__name__} as the Learner's loss filter (`learn.loss_filter`): "
+                          "a Learner trains with one filter at a time", stacklevel=4)
+            learn.remove_cb(old)
+        if getattr(self, 'columns', None) is None: self.columns = LossFilterColumns(self)
+        if self.columns not in learn.cbs: learn.add_cb(self.columns)
+
+    def _leave(self, learn:Learner):
+        "Give `learn` back as it was before the filter joined, however its last fit ended"
+        self._restore()
+        if getattr(self, 'columns', None) is not None and self.columns in learn.cbs: learn.remove_cb(self.columns)
+
+    def _restore(self):
+        ("Undo what a fit changed outside the callback, also when it died by an exception: nothing for the base (the pruners give the loader "
+         "and the rate back)")
+
+    def before_fit(self):
+        self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
+        self._restore()   # a fit that died by an exception ran no `after_fit`
+        self._training, self._checked, self._loss_checked, self.scoring = False, False, False, False
+        if not self.run: return
+        others = [cb for cb in self.learn.cbs if isinstance(cb, LossFilterBase) and cb is not self]   # put in `learn.cbs` by hand
+        if others: raise ValueError(f"only one loss filter per Learner: {type(self).__name__} and {type(others[0]).__name__} are both "
+                                    "in `learn.cbs`; add filters with `learn.add_cb`, which replaces the one the Learner had")
+        check_per_sample(self.learn.loss_func)
+        if dist_world()[1] > 1: self._check_distributed()
+        if self.refs is not None: self.refs.check(self.learn, type(self).__name__)
+        self.fit_ref = dict(trained=0, scored=0, seconds=0.)   # the references' work in this fit: the fit that computes them pays it
+        self.score_func, self._fresh = self.learn.loss_func, True
+
+    def after_fit(self): self._restore()
+
+    def before_train(self):
+        if self._fresh: self._new_records(); self._warn_if_idle()   # not in `before_fit`, which `learn.validate()` runs too
+        self._fresh, self._training = False, True
+        self._new_epoch()
 
 # %% ../nbs/00a_base.ipynb #b76897f0
 class FitColumns(Callback):

@@ -110,7 +110,199 @@ class OrderTap:
             if self.own is None: del self.dl.__dict__['get_idxs']
             else: self.dl.get_idxs = self.own
 
-class LossFilterCallback(LossFilterBase):
+# %% ../nbs/01_batch.ipynb #acbe3bcd
+class _ReferenceRows:
+    "Which training example each row of a batch is, from the order the loader drew, for a `reference`'s losses"
+    def _tap_order(self):
+        "Keep the order the training loader draws this epoch, so that each row of a batch is known as a training example"
+        inner = unwrapped_loader(self.dls.train)
+        if self._tap is None or self._tap.dl is not inner: self._untap(); self._tap = OrderTap(inner)
+        inner.get_idxs = self._tap
+
+    def _untap(self):
+        t, self._tap = self.__dict__.get('_tap'), None
+        if t is not None: t.remove()
+
+    def batch_rows(self, n:int) -> Tensor:
+        "The training examples (dataset indices) of this batch's `n` rows, from the order its loader drew this epoch"
+        t, i = self._tap, self.learn.iter
+        bs = unwrapped_loader(self.dls.train).bs
+        rows = t.order[i * bs:i * bs + n] if t is not None and t.order is not None else None
+        if rows is None or len(rows) != n:
+            raise ValueError(f"{type(self).__name__}: cannot tell which training example each row of batch {i} is (its loader drew "
+                             f"{'no order' if rows is None else f'{len(rows)} examples there for {n} rows'}); a `reference` needs a fastai "
+                             "DataLoader whose batches are its `get_idxs` order cut in `bs` pieces")
+        return rows
+
+    def _reducible(self, scores:Tensor) -> Tensor:
+        "`scores` less each row's reference loss, where there is a `reference`"
+        if self.refs is None: return scores
+        return reducible_loss(scores, self.refs.of(self.batch_rows(len(scores)).to(scores.device)))
+
+# %% ../nbs/01_batch.ipynb #c3396c64
+class _ScoringPass:
+    "The scoring pass: each batch's per-example losses and scores without gradients, from the model as the loss sees it or from the proxy"
+    def _mixed_precision(self) -> MixedPrecision|None:
+        return next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)   # `to_fp16()`'s
+
+    def _find_fit_parts(self):
+        "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
+        # not in `before_fit`: a callback after the filter may change the model there (`DistributedTrainer` swaps in `SyncBatchNorm`)
+        self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
+                          and getattr(type(cb), 'after_pred', None) is not None]
+        self._mp = self._mixed_precision()
+        self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self._device_type = next(self.learn.model.parameters()).device.type
+        self._mixing = any(isinstance(cb, MixHandler) for cb in self.learn.cbs)   # a plain step's loss is then a mixed one
+
+    def _as_loss_sees(self, pred):
+        "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple); `learn.pred` is left as it was"
+        if not self._pred_cbs: return pred
+        d = self.learn.__dict__
+        old, self.scoring, d['pred'] = d.get('pred', _missing), True, pred
+        try:
+            for cb in self._pred_cbs: cb('after_pred')
+            return d['pred']
+        finally:
+            self.scoring = False
+            if old is _missing: d.pop('pred', None)
+            else: d['pred'] = old
+
+    def _autocast(self):
+        "The scoring pass's precision: `MixedPrecision`'s own autocast when the Learner has it, else `score_precision`'s"
+        mp, dtype = getattr(self, '_mp', None), PRECISIONS[self.score_precision]
+        if getattr(mp, 'autocast', None) is not None: return mp.autocast
+        if dtype is None: return None
+        return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
+
+    def score_batch(self) -> tuple:
+        ("Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace "
+         "(`score_examples`), or from the proxy")
+        learn = self.learn
+        if self.proxy is not None:   # no graph: the proxy learns the rows the model trains on by a forward of its own on them, half the backward
+            self._px_learns = self.proxy.due and not self.fill_batch   # read before `score` counts the batch
+            losses = self.proxy.score(learn.xb, learn.yb, graph=False, autocast=self._autocast())   # in the filter's `score_precision` too
+            return losses, self._reducible(losses)
+        losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
+                                        after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
+        self.fit_scored += losses.shape[0]
+        self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
+        return losses, self._reducible(scores)
+
+# %% ../nbs/01_batch.ipynb #c4053e69
+class _ProxyLearning:
+    "A `score_model` proxy's online learning: it learns the rows the model trains on and steps where the model steps"
+    def _proxy_fit(self):
+        ("Make the proxy's scorer at the first fit (it keeps learning over the next ones), with an optimizer made as the Learner's, "
+         "on the model's device")
+        learn = self.learn
+        check_score_model(self.score_model, learn.model)
+        if dist_world()[1] > 1:
+            raise ValueError(f"{type(self).__name__} with a `score_model` cannot run with several processes: each rank's proxy would learn "
+                             "from its own batches and drift from the others; train on one process, or score with the model itself")
+        if self.proxy is None or self.proxy.loss_func is not learn.loss_func:
+            self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=proxy_opt(learn, self.score_model), train_every=self.train_every,
+                                     scale_factor=self.scale_factor, seed=forked_seed())   # the run's seed makes the proxy's
+        self.proxy.to(next(learn.model.parameters()).device)   # a Learner moved between fits takes its proxy along, optimizer state too
+        self.fit_proxy = [self.proxy.n_scored, self.proxy.n_trained]   # the counts at the fit's start
+
+    def proxy_work(self) -> tuple:
+        "(examples the proxy scored without a graph, examples it scored and trained on) in this fit; (0, 0) without a `score_model`"
+        if self.proxy is None or not hasattr(self, 'fit_proxy'): return 0, 0
+        return self.proxy.n_scored - self.fit_proxy[0], self.proxy.n_trained - self.fit_proxy[1]
+
+    def _proxy_rows(self, idxs:Tensor|None) -> Tensor|None:
+        ("The proxy's losses, with their graph, of the rows the model trains on, if the proxy learns this batch: a forward of its own "
+         "on the kept rows `idxs` (the batch was scored without a graph), or the whole batch's (None, scored now)")
+        px = self.proxy
+        if idxs is None:
+            if self.fill_batch or not px.due: px.skip(); return None
+            px.score(self.learn.xb, self.learn.yb)
+            return px.pop_graph()
+        learns, self._px_learns = self._px_learns, False
+        return px.forward(take(self.learn.xb, idxs), take(self.learn.yb, idxs)) if learns else None
+
+    def _proxy_fill_rows(self) -> Tensor|None:
+        "With `fill_batch`, every `train_every`-th step the proxy learns the step's own rows (pooled from several batches), by a forward of its own"
+        due, self._px_fill_steps = self._px_fill_steps % self.proxy.train_every == 0, self._px_fill_steps + 1
+        return self.proxy.forward(self.learn.xb, self.learn.yb) if due else None
+
+    # what became of the model's step, for the proxy's: a step cancelled (`CancelStepException`) still runs `after_step`
+    def after_cancel_backward(self): self._px_events.add('cancel_backward')
+    def after_backward(self): self._px_events.add('backward')
+    def after_cancel_step(self): self._px_events.add('cancel_step')
+    def after_step(self): self._px_events.add('step')
+
+    def after_batch(self):
+        ("The proxy takes the hyper-parameters of the model's step, learns the rows the model learned, and steps where the model stepped; "
+         "a pooled step's source batches are let go")
+        px, ev, self.step_sources = self.proxy, self._px_events, None
+        if px is None or not self.training: return
+        follow_hypers(px.opt, self.learn.opt.hypers)   # every one the scheduler set (rate, momentum, weight decay...), group by group
+        if 'backward' in ev and 'cancel_backward' not in ev: px.backward(self._px_rows)
+        if 'cancel_step' in ev: px.drop()   # the model drops its gradient: so does the proxy
+        elif 'step' in ev: px.step()        # no step event under `GradientAccumulation` until it steps: the proxy accumulates too
+        self._px_rows, self._px_events = None, set()
+
+# %% ../nbs/01_batch.ipynb #51addeaa
+class _Pooling:
+    "`fill_batch`'s pooling: the kept examples of several batches wait in a `BatchPool` until they make a full batch"
+    def _check_poolable(self):
+        "Refuse, before the fit, a training loader whose batches `fill_batch` cannot pool"
+        why = _pool_refusal(self.dls.train)
+        if why: raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a "
+                                 f"{type(unwrapped_loader(self.dls.train)).__name__}: {why}; train it without `fill_batch`")
+
+    def _new_pool(self) -> BatchPool:
+        "An empty pool, made at a fit's first training epoch (the pool lives for the fit)"
+        # `fill_batch`'s kept examples waiting for a full batch (what the last batch leaves waits for the next epoch), with their whole
+        # source batches where a callback reads a pooled step's make-up (`GradientProbeCallback`)
+        return BatchPool(keep_sources=any(getattr(cb, 'reads_pool_sources', False) for cb in self.learn.cbs))
+
+    def _fill(self, idxs:Tensor|None):
+        "Pool this batch's kept examples; train on a full batch when there is one, else skip the step (the pool lives for the fit)"
+        b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
+        if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
+        self.pool.add(b if idxs is None else take(b, idxs), rows=idxs, source=b)
+        last = self.iter == self.n_iter - 1
+        bs = self.dl.bs
+        if self.pool.n < bs and not (last and self.pool.n > 1):   # a pool of one waits for the next epoch: BatchNorm needs two
+            self.learn.xb, self.learn.yb = (), ()            # the Recorder then skips this batch
+            raise CancelBatchException()
+        full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
+        self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
+        if self.pool.keep_sources:   # handed over once: the step's source batches are held no longer than its batch
+            self.step_sources, self.pool.step_sources = [(s[:n_inp], s[n_inp:], rows) for s, rows in self.pool.step_sources], None
+
+# %% ../nbs/01_batch.ipynb #e5582ba7
+class _BatchChecks:
+    "A batch filter's checks: bad input refused at the first batch, before any step, and why a fit would leave it idle"
+    def _idle_reason(self) -> str|None:
+        "No epoch beyond `skip_epochs`, or no batch of the fit in the `start`-`end` window (past `interrupt`)"
+        n_epoch, n_iter = self.learn.n_epoch, len(self.learn.dls.train)
+        if n_epoch <= self.skip_epochs:
+            return (f"it leaves the first `skip_epochs={self.skip_epochs}` epoch(s) of each fit unfiltered (`fine_tune` runs two fits); "
+                    f"fit more epochs or pass a smaller `skip_epochs`")
+        n = n_epoch * n_iter
+        first = max(self.skip_epochs * n_iter, math.ceil(self.start * n - 1e-9))
+        if any(should_select(i / n, i % n_iter, self.start, self.end, self.interrupt) for i in range(first, min(n, first + 2 * n_iter))): return
+        return (f"no batch of its {n} falls in the window `start={self.start}` to `end={self.end}`"
+                f"{f' with `interrupt={self.interrupt}`' if self.interrupt else ''}; widen the window")
+
+    def _check_first_batch(self):
+        "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
+        self._checked = True
+        map_batch(noop, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
+        if self.proxy is not None: self.proxy.check(self.learn.xb, self.learn.yb)   # its output fits the loss (its shape is checked at `after_loss`)
+        if self.refs is not None: self.batch_rows(find_bs(self.learn.yb))   # each row known as a training example, before any step
+
+    def _check_step_losses(self):
+        "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
+        self._loss_checked = True   # no forward pass of its own: a filter that has not started trains exactly like the plain model
+        with torch.no_grad(): per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
+
+# %% ../nbs/01_batch.ipynb #97fc1c02
+class LossFilterCallback(_ReferenceRows, _ScoringPass, _ProxyLearning, _Pooling, _BatchChecks, LossFilterBase):
     "Score each training batch without gradients and train only on the examples `select` keeps"
     def __init__(self, *, # settings by keyword only
                  start:float=0., # fraction of training at which filtering starts, in [0, 1]
@@ -140,7 +332,8 @@ class LossFilterCallback(LossFilterBase):
         self._tap = None   # the training loader's order this epoch, with a `reference`
         self._pred_cbs = []    # the other `after_pred` callbacks, found at `before_fit`
         self.proxy = None      # the `ProxyScorer` of `score_model`, made at the first fit
-        self._px_rows, self._px_events, self._px_fill_steps, self._px_learns = None, set(), 0, False   # the proxy's rows of this step; the step's events; `fill_batch` steps; whether it learns the kept rows
+        # the proxy's rows of this step; the step's events; `fill_batch` steps; whether it learns the kept rows
+        self._px_rows, self._px_events, self._px_fill_steps, self._px_learns = None, set(), 0, False
 
     def select(self, scores:Tensor) -> Tensor:
         "Indices of the examples to train on, from their per-example `scores`"
@@ -159,24 +352,12 @@ class LossFilterCallback(LossFilterBase):
             warnings.warn(f"{type(self).__name__}: `score_precision='bf16'` on a CPU without bf16 units (AVX512-BF16 or AMX): the scoring pass "
                           "runs several times slower than in full precision here; keep `score_precision='full'` on this machine", stacklevel=2)
         if self.run and self.score_model is not None: self._proxy_fit()
-        why = _pool_refusal(self.dls.train) if self.run and self.fill_batch else None
-        if why: raise ValueError(f"{type(self).__name__}: `fill_batch=True` cannot pool the batches of a {type(unwrapped_loader(self.dls.train)).__name__}: "
-                                 f"{why}; train it without `fill_batch`")
+        if self.run and self.fill_batch: self._check_poolable()
 
     def before_train(self):
         super().before_train()
         self._find_fit_parts()
         if self.refs is not None: self._tap_order()
-
-    def _tap_order(self):
-        "Keep the order the training loader draws this epoch, so that each row of a batch is known as a training example"
-        inner = unwrapped_loader(self.dls.train)
-        if self._tap is None or self._tap.dl is not inner: self._untap(); self._tap = OrderTap(inner)
-        inner.get_idxs = self._tap
-
-    def _untap(self):
-        t, self._tap = self.__dict__.get('_tap'), None
-        if t is not None: t.remove()
 
     def _restore(self):
         "The training loader's own `get_idxs` back, if a reference tapped it"
@@ -187,145 +368,9 @@ class LossFilterCallback(LossFilterBase):
         super().after_train()
         self._untap()
 
-    def batch_rows(self, n:int) -> Tensor:
-        "The training examples (dataset indices) of this batch's `n` rows, from the order its loader drew this epoch"
-        t, i = self._tap, self.learn.iter
-        bs = unwrapped_loader(self.dls.train).bs
-        rows = t.order[i * bs:i * bs + n] if t is not None and t.order is not None else None
-        if rows is None or len(rows) != n:
-            raise ValueError(f"{type(self).__name__}: cannot tell which training example each row of batch {i} is (its loader drew "
-                             f"{'no order' if rows is None else f'{len(rows)} examples there for {n} rows'}); a `reference` needs a fastai "
-                             "DataLoader whose batches are its `get_idxs` order cut in `bs` pieces")
-        return rows
-
-    def _reducible(self, scores:Tensor) -> Tensor:
-        "`scores` less each row's reference loss, where there is a `reference`"
-        if self.refs is None: return scores
-        return reducible_loss(scores, self.refs.of(self.batch_rows(len(scores)).to(scores.device)))
-
-    def _proxy_fit(self):
-        "Make the proxy's scorer at the first fit (it keeps learning over the next ones), with an optimizer made as the Learner's, on the model's device"
-        learn = self.learn
-        check_score_model(self.score_model, learn.model)
-        if dist_world()[1] > 1:
-            raise ValueError(f"{type(self).__name__} with a `score_model` cannot run with several processes: each rank's proxy would learn "
-                             "from its own batches and drift from the others; train on one process, or score with the model itself")
-        if self.proxy is None or self.proxy.loss_func is not learn.loss_func:
-            self.proxy = ProxyScorer(self.score_model, learn.loss_func, opt=proxy_opt(learn, self.score_model), train_every=self.train_every,
-                                     scale_factor=self.scale_factor, seed=forked_seed())   # the run's seed makes the proxy's
-        self.proxy.to(next(learn.model.parameters()).device)   # a Learner moved between fits takes its proxy along, optimizer state too
-        self.fit_proxy = [self.proxy.n_scored, self.proxy.n_trained]   # the counts at the fit's start
-
-    def proxy_work(self) -> tuple:
-        "(examples the proxy scored without a graph, examples it scored and trained on) in this fit; (0, 0) without a `score_model`"
-        if self.proxy is None or not hasattr(self, 'fit_proxy'): return 0, 0
-        return self.proxy.n_scored - self.fit_proxy[0], self.proxy.n_trained - self.fit_proxy[1]
-
-    def _proxy_rows(self, idxs:Tensor|None) -> Tensor|None:
-        "The proxy's losses, with their graph, of the rows the model trains on, if the proxy learns this batch: a forward of its own on the kept rows `idxs` (the batch was scored without a graph), or the whole batch's (None, scored now)"
-        px = self.proxy
-        if idxs is None:
-            if self.fill_batch or not px.due: px.skip(); return None
-            px.score(self.learn.xb, self.learn.yb)
-            return px.pop_graph()
-        learns, self._px_learns = self._px_learns, False
-        return px.forward(take(self.learn.xb, idxs), take(self.learn.yb, idxs)) if learns else None
-
-    def _proxy_fill_rows(self) -> Tensor|None:
-        "With `fill_batch`, every `train_every`-th step the proxy learns the step's own rows (pooled from several batches), by a forward of its own"
-        due, self._px_fill_steps = self._px_fill_steps % self.proxy.train_every == 0, self._px_fill_steps + 1
-        return self.proxy.forward(self.learn.xb, self.learn.yb) if due else None
-
-    # what became of the model's step, for the proxy's: a step cancelled (`CancelStepException`) still runs `after_step`
-    def after_cancel_backward(self): self._px_events.add('cancel_backward')
-    def after_backward(self): self._px_events.add('backward')
-    def after_cancel_step(self): self._px_events.add('cancel_step')
-    def after_step(self): self._px_events.add('step')
-
-    def after_batch(self):
-        "The proxy takes the hyper-parameters of the model's step, learns the rows the model learned, and steps where the model stepped; a pooled step's source batches are let go"
-        px, ev, self.step_sources = self.proxy, self._px_events, None
-        if px is None or not self.training: return
-        follow_hypers(px.opt, self.learn.opt.hypers)   # every one the scheduler set (rate, momentum, weight decay...), group by group
-        if 'backward' in ev and 'cancel_backward' not in ev: px.backward(self._px_rows)
-        if 'cancel_step' in ev: px.drop()   # the model drops its gradient: so does the proxy
-        elif 'step' in ev: px.step()        # no step event under `GradientAccumulation` until it steps: the proxy accumulates too
-        self._px_rows, self._px_events = None, set()
-
     def _new_records(self):
         super()._new_records()
-        # `fill_batch`'s kept examples waiting for a full batch (what the last batch leaves waits for the next epoch), with their whole
-        # source batches where a callback reads a pooled step's make-up (`GradientProbeCallback`)
-        self.pool = BatchPool(keep_sources=any(getattr(cb, 'reads_pool_sources', False) for cb in self.learn.cbs))
-
-    def _mixed_precision(self) -> MixedPrecision|None: return next((cb for cb in self.learn.cbs if isinstance(cb, MixedPrecision)), None)   # `to_fp16()`'s
-
-    def _find_fit_parts(self):
-        "Look up, each epoch, what the scoring pass uses every batch: the other `after_pred` callbacks, autocast, norm layers, mixing"
-        # not in `before_fit`: a callback after the filter may change the model there (`DistributedTrainer` swaps in `SyncBatchNorm`)
-        self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if cb is not self and not isinstance(cb, MixedPrecision)
-                          and getattr(type(cb), 'after_pred', None) is not None]
-        self._mp = self._mixed_precision()
-        self._norms = [m for m in self.learn.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        self._device_type = next(self.learn.model.parameters()).device.type
-        self._mixing = any(isinstance(cb, MixHandler) for cb in self.learn.cbs)   # a plain step's loss is then a mixed one
-
-    def _idle_reason(self) -> str|None:
-        "No epoch beyond `skip_epochs`, or no batch of the fit in the `start`-`end` window (past `interrupt`)"
-        n_epoch, n_iter = self.learn.n_epoch, len(self.learn.dls.train)
-        if n_epoch <= self.skip_epochs:
-            return (f"it leaves the first `skip_epochs={self.skip_epochs}` epoch(s) of each fit unfiltered (`fine_tune` runs two fits); "
-                    f"fit more epochs or pass a smaller `skip_epochs`")
-        n = n_epoch * n_iter
-        first = max(self.skip_epochs * n_iter, math.ceil(self.start * n - 1e-9))
-        if any(should_select(i / n, i % n_iter, self.start, self.end, self.interrupt) for i in range(first, min(n, first + 2 * n_iter))): return
-        return (f"no batch of its {n} falls in the window `start={self.start}` to `end={self.end}`"
-                f"{f' with `interrupt={self.interrupt}`' if self.interrupt else ''}; widen the window")
-
-    def _as_loss_sees(self, pred):
-        "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple); `learn.pred` is left as it was"
-        if not self._pred_cbs: return pred
-        d = self.learn.__dict__
-        old, self.scoring, d['pred'] = d.get('pred', _missing), True, pred
-        try:
-            for cb in self._pred_cbs: cb('after_pred')
-            return d['pred']
-        finally:
-            self.scoring = False
-            if old is _missing: d.pop('pred', None)
-            else: d['pred'] = old
-
-    def _autocast(self):
-        "The scoring pass's precision: `MixedPrecision`'s own autocast when the Learner has it, else `score_precision`'s"
-        mp, dtype = getattr(self, '_mp', None), PRECISIONS[self.score_precision]
-        if getattr(mp, 'autocast', None) is not None: return mp.autocast
-        if dtype is None: return None
-        return torch.autocast(getattr(self, '_device_type', 'cpu'), dtype=dtype)
-
-    def score_batch(self) -> tuple:
-        "Per-example losses and scores of the current batch (plain tensors), from a no-grad forward pass that leaves no trace (`score_examples`), or from the proxy"
-        learn = self.learn
-        if self.proxy is not None:   # no graph: the proxy learns the rows the model trains on by a forward of its own on them, half the backward
-            self._px_learns = self.proxy.due and not self.fill_batch   # read before `score` counts the batch
-            losses = self.proxy.score(learn.xb, learn.yb, graph=False, autocast=self._autocast())   # in the filter's `score_precision` too
-            return losses, self._reducible(losses)
-        losses, scores = score_examples(_unwrap(learn.model), learn.xb, learn.yb, self.score_func, self.score, self.scale_factor,
-                                        after_pred=self._as_loss_sees, autocast=self._autocast(), norms=getattr(self, '_norms', None))
-        self.fit_scored += losses.shape[0]
-        self._loss_checked = True   # `per_sample_loss` checked the loss gives one value per example
-        return losses, self._reducible(scores)
-
-    def _check_first_batch(self):
-        "Whatever the schedule, refuse at the first training batch, before any step, a batch `take` could not subset"
-        self._checked = True
-        map_batch(noop, tuple(self.learn.xb) + tuple(self.learn.yb))   # a batch of tensors, which `take` can subset
-        if self.proxy is not None: self.proxy.check(self.learn.xb, self.learn.yb)   # its output fits the loss (its shape is checked at `after_loss`)
-        if self.refs is not None: self.batch_rows(find_bs(self.learn.yb))   # each row known as a training example, before any step
-
-    def _check_step_losses(self):
-        "Before the first backward pass of a fit that did not score its first batch: one loss per example, from the step's own output"
-        self._loss_checked = True   # no forward pass of its own: a filter that has not started trains exactly like the plain model
-        with torch.no_grad(): per_sample_loss(self.score_func, plain(self.learn.pred), *plain(self.learn.yb))
+        self.pool = self._new_pool()
 
     def before_batch(self):
         "Score the batch, select the examples to train on, and take them (or pool them, with `fill_batch`)"
@@ -366,21 +411,6 @@ class LossFilterCallback(LossFilterBase):
         "Keep the batch's tensors, untouched: all the sums are made at the epoch's end in a few vectorised operations"
         self.n_kept += len(idxs); self.n_scored += bs
         self._batches.append((self.learn.train_iter, losses, scores, idxs))
-
-    def _fill(self, idxs:Tensor|None):
-        "Pool this batch's kept examples; train on a full batch when there is one, else skip the step (the pool lives for the fit)"
-        b, n_inp = self.learn.xb + self.learn.yb, len(self.learn.xb)
-        if idxs is None and not self.pool.n: return          # nothing waiting: the whole batch trains as it is
-        self.pool.add(b if idxs is None else take(b, idxs), rows=idxs, source=b)
-        last = self.iter == self.n_iter - 1
-        bs = self.dl.bs
-        if self.pool.n < bs and not (last and self.pool.n > 1):   # a pool of one waits for the next epoch: BatchNorm needs two
-            self.learn.xb, self.learn.yb = (), ()            # the Recorder then skips this batch
-            raise CancelBatchException()
-        full = self.pool.take(min(self.pool.n, bs))          # never more than a batch: what stays waits for the next step
-        self.learn.xb, self.learn.yb = full[:n_inp], full[n_inp:]
-        if self.pool.keep_sources:   # handed over once: the step's source batches are held no longer than its batch
-            self.step_sources, self.pool.step_sources = [(s[:n_inp], s[n_inp:], rows) for s, rows in self.pool.step_sources], None
 
 # %% ../nbs/01_batch.ipynb #4615ab0a
 def _unwrap(model:nn.Module) -> nn.Module:

@@ -55,8 +55,214 @@ class ProbeColumns(FitColumns):
     def trained(self): return self.owner._training
     def values(self): return self.owner.epoch_means()
 
+# %% ../nbs/02a_probe.ipynb #e7cb474c
+class _ProbeGramian:
+    "The probed step against its batch: the rows it trains and their weights, the batch's and random twins', in one Gramian"
+    def _step_rows(self) -> tuple|None:
+        ("`(xb, yb, u, groups)`: the rows the Gramian is taken over (the probed whole batch first), the step's weights on them, and the "
+         "`(offset, size, trained)` of each source batch among them; None for a pooled step whose sources were not kept")
+        (xb, yb), filt = self._full, getattr(self.learn, 'loss_filter', None)
+        pooled = getattr(filt, 'run', False) and getattr(filt, 'pooled_step', False)
+        srcs = getattr(filt, 'step_sources', None) if pooled else None
+        if pooled and srcs is None: return None   # a pool made without the probe (it joined after the fit's start): no twin to build
+        if srcs is None:   # the step trains rows of this batch alone (asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`)
+            B, idxs = find_bs(yb), getattr(filt, 'step_idxs', None)
+            weights = filt.step_weights() if hasattr(filt, 'step_weights') and getattr(filt, 'run', False) else None
+            blocks = [(xb, yb, idxs.cpu() if idxs is not None else torch.arange(B), weights)]
+        else:   # a pooled step: this batch (the pool's newest source) first, then the others
+            blocks = [(x, y, r, None) for x, y, r in [srcs[-1], *srcs[:-1]]]
+        n = sum(len(b[2]) for b in blocks)
+        div = 1. if self._summed() else n   # the step's loss is `Σwᵢℓᵢ / n` over its `n` rows (`wᵢ = 1` without weights), or their sum
+        us, groups, o = [], [], 0
+        for _, y, rows, w in blocks:
+            size = find_bs(y)
+            u = torch.zeros(size, dtype=torch.float64)
+            u[rows] = (1. if w is None else w.detach().double().cpu()) / div
+            us.append(u); groups.append((o, size, len(rows))); o += size
+        if len(blocks) == 1: return xb, yb, us[0], groups
+        cat = lambda parts: tuple(torch.cat(z) for z in zip(*parts))
+        return cat([b[0] for b in blocks]), cat([b[1] for b in blocks]), torch.cat(us), groups
+
+    def _summed(self) -> bool:
+        "Whether the Learner's loss sums over the batch (`reduction='sum'`): a step's gradient is then the sum of its rows', not their mean"
+        return getattr(self.learn.loss_func, 'reduction', 'mean') == 'sum'
+
+    def _as_loss_sees(self, pred):
+        "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple)"
+        for cb in self._pred_cbs: self.learn.__dict__['pred'] = pred; cb('after_pred'); pred = self.learn.__dict__['pred']
+        return pred
+
+    def _untouched(self, f, *args, **kwargs):
+        ("Call `f`, then put back every attribute that the other callbacks' `after_pred` set during it, on the Learner (`pred`) and on "
+         "themselves (`RNNCallback`'s `raw_out` and `out`, which `RNNRegularizer` reads after the loss)")
+        ds = [self.learn.__dict__] + [cb.__dict__ for cb in self._pred_cbs]
+        saved = [dict(d) for d in ds]
+        try: return f(*args, **kwargs)
+        finally:
+            for d, s in zip(ds, saved):
+                for k in [k for k in d if k not in s]: del d[k]
+                for k, v in s.items():
+                    if d.get(k, _missing) is not v: d[k] = v
+
+    def _probe(self):
+        ("The probed batch's per-example gradients: their statistics now, or after the step where its α's start comes with them (the "
+         "derivatives along the step from the same formed gradients)")
+        learn, rows = self.learn, self._step_rows()
+        if rows is None:
+            warnings.warn("GradientProbeCallback: a pooled `fill_batch` step whose source batches the filter did not keep (the probe joined the "
+                          "Learner after the fit began) is not probed; add the probe before the fit", stacklevel=2)
+            return
+        xb, yb, u, groups = rows
+        B, W = groups[0][1], self._columns(u, groups)
+        kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
+        sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
+        info = dict(W=W, u=u, B=B, sources=len(groups), sk=sk, iter=learn.train_iter, epoch=learn.epoch, lr=float(learn.opt.hypers[-1]['lr']))
+        before = {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad} if self.alpha else None
+        # the whole model's sketch (activations and their gradients, which the step leaves as they are): its statistics wait for the step's direction
+        if self.alpha and sk is not None and self.modules is None:
+            self._start = (self._full, info, B, before, None); return
+        if sk is None:
+            G, losses = self._untouched(_gramian_without_hooks, learn.model, xb, yb, learn.loss_func, **kw)   # torchjd's, or the whole Jacobian
+            G = G.double().cpu()
+            rec = self._record(info, W.T @ G @ W, G.diagonal(), losses.cpu())
+        else: rec, _ = self._finish(info)
+        if self.alpha: self._start = (self._full, None, B, before, rec)   # α's start: a pass of its own over the whole batch
+
+    def _columns(self, u:Tensor, groups:list) -> Tensor:
+        "The weights `[rows, k]` of the sums of gradients compared: the step's, the batch's, and `n_random` random twins of the step"
+        # the batch's: the mean gradient of each source batch in the share of the step's rows it gives (one batch: its mean gradient),
+        # times the rows a plain step sums where the loss sums (the batch's; a pooled step's own)
+        n = sum(t for *_, t in groups)
+        plain = 1 if not self._summed() else groups[0][1] if len(groups) == 1 else n
+        v = torch.cat([torch.full((size,), plain * t / (n * size), dtype=torch.float64) for _, size, t in groups])
+        cols = [u, v]
+        for _ in range(self.n_random):   # a twin: the step's weights on each source batch dealt to random rows of that batch
+            r = torch.zeros(len(u), dtype=torch.float64)
+            for o, size, _ in groups: r[o:o + size] = u[o:o + size][torch.randperm(size, generator=self.gen, device=self.gen.device).cpu()]
+            cols.append(r)
+        return torch.stack(cols, 1)
+
+    def _finish(self, info:dict, unit:dict|None=None) -> tuple:
+        "`(record, derivatives)`: the sketch's statistics and the record of its step, with the derivatives along `unit` when given (else None)"
+        Q, diag, along = info['sk'].stats(info['W'], unit)
+        return self._record(info, Q.double().cpu(), diag.double().cpu(), info['sk'].losses.cpu()), along
+
+# %% ../nbs/02a_probe.ipynb #09590da7
+class _ProbeAlpha:
+    "cockpit's α of a probed step: its direction, then the losses and their slopes along it at its start and at the next batch"
+    def _no_alpha(self, why:str):
+        "No α for the probed step: its statistics, if they waited for the step, taken now without its direction"
+        if self._start is not None and self._start[-1] is None:   # statistics that waited for a step
+            self._start = (*self._start[:-1], self._timed('gramian', self._finish, self._start[1])[0])
+        if self._start is not None: self._start[-1]['alpha_note'] = why
+        self._start = None
+
+    def _measure(self, xb, yb, params=None) -> tuple:
+        "The losses and their derivatives along the unit step direction of the examples of `xb, yb`"
+        l, dd = self._untouched(directional_derivatives, self.learn.model, xb, yb, self.learn.loss_func, self._unit, params=params,
+                                train=self.train, after_pred=self._as_loss_sees)
+        return l, dd
+
+    @staticmethod
+    def _moments(l:Tensor, dd:Tensor) -> tuple:
+        "Mean and variance over the examples of the losses and of their derivatives"
+        var = lambda t: t.var().item() if len(t) > 1 else 0.
+        return l.mean().item(), var(l), dd.mean().item(), var(dd)
+
+    def _direction(self, before:dict) -> tuple:
+        "The step's length `t` and its unit direction per parameter name (None where it did not move)"
+        named = dict(self.learn.model.named_parameters())
+        d = {k: named[k].detach() - p for k, p in before.items()}
+        dev = next(iter(d.values())).device
+        norms = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64).to(dev) for x in d.values()])
+        t = torch.linalg.vector_norm(norms).item()   # one read of the device
+        return t, ({k: x.div_(t) for k, x in d.items()} if t > 0 else None)
+
+    def _start_alpha(self):
+        ("The probed step's direction, then its start on the whole batch: the losses and their derivatives along it, from the formed "
+         "gradients of the statistics that waited for it, else from a pass of their own")
+        (xb, yb), info, B, before, rec = self._start
+        t, unit = self._timed('alpha_start', self._direction, before)
+        rec, along = self._timed('gramian', self._finish, info, unit) if rec is None else (rec, None)
+        self._start = None
+        rec['step_size'] = t
+        if unit is None: rec['alpha'], rec['alpha_epoch'] = -1., self.epoch; return
+        self._unit = unit
+        l, dd = (info['sk'].losses[:B], along[:B]) if along is not None else self._timed('alpha_start', self._measure, xb, yb, before)
+        self._end = (t, self._moments(l, dd), rec)
+
+    def _finish_alpha(self):
+        "The step's end on the next whole batch, as its start was on its own whole batch: both points on the same kind of rows"
+        t, (f0, vf0, df0, vdf0), rec = self._end
+        self._end = None
+        f1, vf1, df1, vdf1 = self._moments(*self._measure(self.learn.xb, self.learn.yb))
+        rec['alpha'], rec['alpha_epoch'] = step_alpha(t, (f0, f1), (vf0, vf1), (df0, df1), (vdf0, vdf1)), self.epoch
+        self._unit = None
+
+# %% ../nbs/02a_probe.ipynb #ceeebf60
+class _ProbeRecords:
+    "The probe's records: one per probed batch in `stats`, the fit table's epoch means, a DataFrame and a picture"
+    def _record(self, info:dict, Q:Tensor, diag:Tensor, losses:Tensor) -> dict:
+        "What the statistics say of the step against the batch and against chance, appended to `stats`"
+        u, B, k, q = info['u'], info['B'], Q.shape[0], Q.tolist()
+        n = [math.sqrt(max(q[i][i], 0.)) for i in range(k)]   # the norms of the weighted gradients
+        cos = lambda i: q[i][1] / (n[i] * n[1]) if n[i] * n[1] > 0 else 0.
+        rc, nan = torch.tensor([cos(i) for i in range(2, k)], dtype=torch.float64), float('nan')
+        rn = [n[i] / n[1] if n[1] > 0 else nan for i in range(2, k)]
+        self.stats.append(dict(iter=info['iter'], epoch=info['epoch'], bs=B, trained=int((u > 0).sum()), sources=info['sources'],
+                               grad_cos=cos(0), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
+                               rand_cos_max=rc.max().item() if len(rc) else nan,
+                               rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
+                               norm_ratio=n[0] / n[1] if n[1] > 0 else nan, rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
+                               rho=spearman(losses, diag.clamp_min(0).sqrt()), alpha=None, alpha_note=None, lr=info['lr']))
+        return self.stats[-1]
+
+    def epoch_means(self) -> list:
+        ("The fit table's columns: means over this epoch's probed batches, and the median of the α values measured during this epoch "
+         "(a step's α is known at the next batch, so the last probed step of an epoch counts in the next); NaN without any")
+        rs = self.stats[self._epoch0:]
+        alphas = [r['alpha'] for r in self.stats if r.get('alpha_epoch') == self.epoch]
+        return [_over(statistics.median, alphas) if k == 'alpha' else _over(statistics.fmean, [r[k] for r in rs]) for k in ProbeColumns.names]
+
+    def table(self):
+        "Every probed batch as a DataFrame"
+        import pandas as pd
+        return pd.DataFrame(list(self.stats))
+
+    def plot_probe(self, axs=None):
+        "The step's gradient against the batch's and chance, the norm ratio, α and the loss/gradient-norm rank correlation, over training"
+        import matplotlib.pyplot as plt
+        if axs is None: _, axs = plt.subplots(2, 2, figsize=(12, 6.5), layout='constrained')
+        axs = list(getattr(axs, 'flat', axs))
+        rs = list(self.stats)
+        it = [r['iter'] for r in rs]
+        a = axs[0]
+        a.fill_between(it, [r['rand_cos_min'] for r in rs], [r['rand_cos_max'] for r in rs], alpha=.25, color='C1', label='random choices (min-max)')
+        a.plot(it, [r['rand_cos'] for r in rs], '.-', color='C1', label='rand_cos (mean)')
+        a.plot(it, [r['grad_cos'] for r in rs], '.-', color='C0', label="grad_cos: the step's examples")
+        a.set_ylabel("cosine with the batch's gradient"); a.set_ylim(top=1.02); a.legend(fontsize=8)
+        a = axs[1]
+        a.plot(it, [r['norm_ratio'] for r in rs], '.-', label="the step's examples")
+        a.plot(it, [r['rand_norm_ratio'] for r in rs], '.-', label='random choices')
+        a.axhline(1, color='k', lw=.5); a.set_ylabel("gradient norm / the batch's"); a.legend(fontsize=8)
+        a = axs[2]
+        al = [(r['iter'], r['alpha']) for r in rs if r.get('alpha') is not None and not math.isnan(r['alpha'])]
+        inside = [(i, x) for i, x in al if -2 <= x <= 3]   # a nearly flat fit along a step puts α far out: one such point would hide the rest
+        a.plot([i for i, _ in inside], [x for _, x in inside], '.', color='C2', label='α')
+        out = [(i, min(max(x, -2), 3)) for i, x in al if not -2 <= x <= 3]
+        if out: a.plot([i for i, _ in out], [x for _, x in out], 'x', color='C2', label=f'beyond [-2, 3], drawn at its edge ({len(out)})')
+        a.axhline(0, color='k', lw=.5); a.set_ylim(-2.2, 3.2); a.legend(fontsize=8)
+        a.set_ylabel('α: < 0 short of the minimum along the step, 0 at it, > 0 past it', fontsize=8)
+        a = axs[3]
+        a.plot(it, [r['rho'] for r in rs], '.-', color='C3'); a.set_ylim(-1.05, 1.05)
+        a.set_ylabel('Spearman: loss vs gradient norm')
+        for a in axs: a.set_xlabel('training iteration'); a.grid(alpha=.3)
+        if len(axs[0].figure.axes) == len(axs):   # a figure of its own
+            axs[0].figure.suptitle(f"Gradient probe: one step in {self.every}, {len(rs)} probed")
+        return axs[0].figure
+
 # %% ../nbs/02a_probe.ipynb #a6f1cda8
-class GradientProbeCallback(Callback):
+class GradientProbeCallback(_ProbeGramian, _ProbeAlpha, _ProbeRecords, Callback):
     "Every `every`-th training step: the step's gradient against the batch's and random choices of its size (Gramian), and the step's α"
     order,run_valid = LossFilterBase.order-1,False   # before any filter's `before_batch`: it sees the whole batch first
     name = 'probe'   # `learn.probe`; `learn.gradient_probe()` is the patch that adds it
@@ -82,7 +288,8 @@ class GradientProbeCallback(Callback):
         if old is not None and cols in old.cbs: old.remove_cb(cols)
         self.__dict__['_learn'] = learn
         if learn is None: return
-        for other in learn.cbs.filter(lambda o: isinstance(o, GradientProbeCallback) and o is not self): learn.remove_cb(other)   # one probe a Learner
+        for other in learn.cbs.filter(lambda o: isinstance(o, GradientProbeCallback) and o is not self):   # one probe a Learner
+            learn.remove_cb(other)
         if cols not in learn.cbs: learn.add_cb(cols)
 
     def before_fit(self):
@@ -97,11 +304,12 @@ class GradientProbeCallback(Callback):
         self._pred_cbs = [cb for cb in self.learn.cbs.sorted('order') if getattr(type(cb), 'after_pred', None) is not None
                           and not isinstance(cb, (MixedPrecision, LossFilterBase))]
         if self.alpha and any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs):
-            warnings.warn("GradientProbeCallback beside GradientAccumulation: a probed batch is a micro-batch that takes no optimizer step of its own, "
-                          "so its α is undefined and left None (`alpha_note` says why); the Gramian's columns are the micro-batch's. Pass alpha=False "
-                          "to skip α", stacklevel=2)
+            warnings.warn("GradientProbeCallback beside GradientAccumulation: a probed batch is a micro-batch that takes no optimizer step of "
+                          "its own, so its α is undefined and left None (`alpha_note` says why); the Gramian's columns are the micro-batch's. "
+                          "Pass alpha=False to skip α", stacklevel=2)
         filt = getattr(self.learn, 'loss_filter', None)
-        if self.train and filt is not None and hasattr(filt, 'select') and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.learn.model.modules()):
+        if (self.train and filt is not None and hasattr(filt, 'select')
+            and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.learn.model.modules())):
             warnings.warn("GradientProbeCallback(train=True) beside a batch filter on a model with BatchNorm: the Gramian is taken under the whole "
                           "batch's statistics, while a filtered step normalises its kept rows by their own, so `grad_cos` and the norm ratios "
                           "only approximate the step's (the default `train=False` measures in eval mode, the same for every row)", stacklevel=2)
@@ -131,7 +339,8 @@ class GradientProbeCallback(Callback):
             self.seconds += s; self.part_seconds[part] = self.part_seconds.get(part, 0.) + s
 
     def before_batch(self):
-        "The end of the last probed step's α on this whole batch; keep the whole batch of a step due to be probed, before any filter takes part of it"
+        ("The end of the last probed step's α on this whole batch; keep the whole batch of a step due to be probed, before any filter "
+         "takes part of it")
         if self._end is not None: self._timed('alpha_end', self._finish_alpha)
         self._full = (self.learn.xb, self.learn.yb) if self._due else None
 
@@ -139,17 +348,11 @@ class GradientProbeCallback(Callback):
         if self._full is not None: self._due = False; self._timed('gramian', self._probe)
 
     def after_step(self):
-        "Count the step (the next one due is probed whatever a filter holds back); the probed step's α starts here, its statistics with it where they wait for the step's direction"
+        ("Count the step (the next one due is probed whatever a filter holds back); the probed step's α starts here, its statistics with "
+         "it where they wait for the step's direction")
         self._steps += 1
         if self._steps % self.every == 0: self._due = True
         if self._start is not None: self._start_alpha()
-
-    def _no_alpha(self, why:str):
-        "No α for the probed step: its statistics, if they waited for the step, taken now without its direction"
-        if self._start is not None and self._start[-1] is None:   # statistics that waited for a step
-            self._start = (*self._start[:-1], self._timed('gramian', self._finish, self._start[1])[0])
-        if self._start is not None: self._start[-1]['alpha_note'] = why
-        self._start = None
 
     def after_cancel_step(self): self._no_alpha('no optimizer step')   # no step was applied: no α to measure
     def after_cancel_batch(self): self._no_alpha('no optimizer step')
@@ -161,185 +364,6 @@ class GradientProbeCallback(Callback):
         if self.run and getattr(self, '_empty', 0):
             warnings.warn(f"GradientProbeCallback: {self._empty} of this fit's epochs had no probed step (one step in `every={self.every}` is "
                           f"probed, counted over the fit): their columns are NaN; lower `every` to probe every epoch", stacklevel=2)
-
-    def _step_rows(self) -> tuple|None:
-        "`(xb, yb, u, groups)`: the rows the Gramian is taken over (the probed whole batch first), the step's weights on them, and the `(offset, size, trained)` of each source batch among them; None for a pooled step whose sources were not kept"
-        (xb, yb), filt = self._full, getattr(self.learn, 'loss_filter', None)
-        pooled = getattr(filt, 'run', False) and getattr(filt, 'pooled_step', False)
-        srcs = getattr(filt, 'step_sources', None) if pooled else None
-        if pooled and srcs is None: return None   # a pool made without the probe (it joined after the fit's start): no twin to build
-        if srcs is None:   # the step trains rows of this batch alone (asked of the filter: fastai's `CastToTensor` rebuilds `learn.xb`)
-            B, idxs = find_bs(yb), getattr(filt, 'step_idxs', None)
-            weights = filt.step_weights() if hasattr(filt, 'step_weights') and getattr(filt, 'run', False) else None
-            blocks = [(xb, yb, idxs.cpu() if idxs is not None else torch.arange(B), weights)]
-        else: blocks = [(x, y, r, None) for x, y, r in [srcs[-1], *srcs[:-1]]]   # a pooled step: this batch (the pool's newest source) first, then the others
-        n = sum(len(b[2]) for b in blocks)
-        div = 1. if self._summed() else n   # the step's loss is `Σwᵢℓᵢ / n` over its `n` rows (`wᵢ = 1` without weights), or their sum
-        us, groups, o = [], [], 0
-        for _, y, rows, w in blocks:
-            size = find_bs(y)
-            u = torch.zeros(size, dtype=torch.float64)
-            u[rows] = (1. if w is None else w.detach().double().cpu()) / div
-            us.append(u); groups.append((o, size, len(rows))); o += size
-        if len(blocks) == 1: return xb, yb, us[0], groups
-        cat = lambda parts: tuple(torch.cat(z) for z in zip(*parts))
-        return cat([b[0] for b in blocks]), cat([b[1] for b in blocks]), torch.cat(us), groups
-
-    def _summed(self) -> bool:
-        "Whether the Learner's loss sums over the batch (`reduction='sum'`): a step's gradient is then the sum of its rows', not their mean"
-        return getattr(self.learn.loss_func, 'reduction', 'mean') == 'sum'
-
-    def _as_loss_sees(self, pred):
-        "`pred` after the other callbacks' `after_pred` (`RNNCallback` unpacks a text model's tuple)"
-        for cb in self._pred_cbs: self.learn.__dict__['pred'] = pred; cb('after_pred'); pred = self.learn.__dict__['pred']
-        return pred
-
-    def _untouched(self, f, *args, **kwargs):
-        "Call `f`, then put back every attribute that the other callbacks' `after_pred` set during it, on the Learner (`pred`) and on themselves (`RNNCallback`'s `raw_out` and `out`, which `RNNRegularizer` reads after the loss)"
-        ds = [self.learn.__dict__] + [cb.__dict__ for cb in self._pred_cbs]
-        saved = [dict(d) for d in ds]
-        try: return f(*args, **kwargs)
-        finally:
-            for d, s in zip(ds, saved):
-                for k in [k for k in d if k not in s]: del d[k]
-                for k, v in s.items():
-                    if d.get(k, _missing) is not v: d[k] = v
-
-    def _probe(self):
-        "The probed batch's per-example gradients: their statistics now, or after the step where its α's start comes with them (the derivatives along the step from the same formed gradients)"
-        learn, rows = self.learn, self._step_rows()
-        if rows is None:
-            warnings.warn("GradientProbeCallback: a pooled `fill_batch` step whose source batches the filter did not keep (the probe joined the "
-                          "Learner after the fit began) is not probed; add the probe before the fit", stacklevel=2)
-            return
-        xb, yb, u, groups = rows
-        B, W = groups[0][1], self._columns(u, groups)
-        kw = dict(modules=self.modules, train=self.train, after_pred=self._as_loss_sees)
-        sk = self._untouched(example_gradients, learn.model, xb, yb, learn.loss_func, **kw)
-        info = dict(W=W, u=u, B=B, sources=len(groups), sk=sk, iter=learn.train_iter, epoch=learn.epoch, lr=float(learn.opt.hypers[-1]['lr']))
-        before = {k: p.detach().clone() for k, p in learn.model.named_parameters() if p.requires_grad} if self.alpha else None
-        if self.alpha and sk is not None and self.modules is None:   # the whole model's sketch (activations and their gradients, which the step leaves as they are): its statistics wait for the step's direction
-            self._start = (self._full, info, B, before, None); return
-        if sk is None:
-            G, losses = self._untouched(_gramian_without_hooks, learn.model, xb, yb, learn.loss_func, **kw)   # torchjd's, or the whole Jacobian
-            G = G.double().cpu()
-            rec = self._record(info, W.T @ G @ W, G.diagonal(), losses.cpu())
-        else: rec, _ = self._finish(info)
-        if self.alpha: self._start = (self._full, None, B, before, rec)   # α's start: a pass of its own over the whole batch
-
-    def _columns(self, u:Tensor, groups:list) -> Tensor:
-        "The weights `[rows, k]` of the sums of gradients compared: the step's, the batch's, and `n_random` random twins of the step"
-        # the batch's: the mean gradient of each source batch in the share of the step's rows it gives (one batch: its mean gradient),
-        # times the rows a plain step sums where the loss sums (the batch's; a pooled step's own)
-        n = sum(t for *_, t in groups)
-        plain = 1 if not self._summed() else groups[0][1] if len(groups) == 1 else n
-        v = torch.cat([torch.full((size,), plain * t / (n * size), dtype=torch.float64) for _, size, t in groups])
-        cols = [u, v]
-        for _ in range(self.n_random):   # a twin: the step's weights on each source batch dealt to random rows of that batch
-            r = torch.zeros(len(u), dtype=torch.float64)
-            for o, size, _ in groups: r[o:o + size] = u[o:o + size][torch.randperm(size, generator=self.gen, device=self.gen.device).cpu()]
-            cols.append(r)
-        return torch.stack(cols, 1)
-
-    def _finish(self, info:dict, unit:dict|None=None) -> tuple:
-        "`(record, derivatives)`: the sketch's statistics and the record of its step, with the derivatives along `unit` when given (else None)"
-        Q, diag, along = info['sk'].stats(info['W'], unit)
-        return self._record(info, Q.double().cpu(), diag.double().cpu(), info['sk'].losses.cpu()), along
-
-    def _record(self, info:dict, Q:Tensor, diag:Tensor, losses:Tensor) -> dict:
-        "What the statistics say of the step against the batch and against chance, appended to `stats`"
-        u, B, k, q = info['u'], info['B'], Q.shape[0], Q.tolist()
-        n = [math.sqrt(max(q[i][i], 0.)) for i in range(k)]   # the norms of the weighted gradients
-        cos = lambda i: q[i][1] / (n[i] * n[1]) if n[i] * n[1] > 0 else 0.
-        rc, nan = torch.tensor([cos(i) for i in range(2, k)], dtype=torch.float64), float('nan')
-        rn = [n[i] / n[1] if n[1] > 0 else nan for i in range(2, k)]
-        self.stats.append(dict(iter=info['iter'], epoch=info['epoch'], bs=B, trained=int((u > 0).sum()), sources=info['sources'],
-                               grad_cos=cos(0), rand_cos=rc.mean().item() if len(rc) else nan, rand_cos_min=rc.min().item() if len(rc) else nan,
-                               rand_cos_max=rc.max().item() if len(rc) else nan, rand_cos_sd=rc.std().item() if len(rc) > 1 else 0. if len(rc) else nan,
-                               norm_ratio=n[0] / n[1] if n[1] > 0 else nan, rand_norm_ratio=sum(rn) / len(rn) if rn else nan,
-                               rho=spearman(losses, diag.clamp_min(0).sqrt()), alpha=None, alpha_note=None, lr=info['lr']))
-        return self.stats[-1]
-
-    def _measure(self, xb, yb, params=None) -> tuple:
-        "The losses and their derivatives along the unit step direction of the examples of `xb, yb`"
-        l, dd = self._untouched(directional_derivatives, self.learn.model, xb, yb, self.learn.loss_func, self._unit, params=params,
-                                train=self.train, after_pred=self._as_loss_sees)
-        return l, dd
-
-    @staticmethod
-    def _moments(l:Tensor, dd:Tensor) -> tuple:
-        "Mean and variance over the examples of the losses and of their derivatives"
-        var = lambda t: t.var().item() if len(t) > 1 else 0.
-        return l.mean().item(), var(l), dd.mean().item(), var(dd)
-
-    def _direction(self, before:dict) -> tuple:
-        "The step's length `t` and its unit direction per parameter name (None where it did not move)"
-        named = dict(self.learn.model.named_parameters())
-        d = {k: named[k].detach() - p for k, p in before.items()}
-        dev = next(iter(d.values())).device
-        t = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64).to(dev) for x in d.values()])).item()   # one read of the device
-        return t, ({k: x.div_(t) for k, x in d.items()} if t > 0 else None)
-
-    def _start_alpha(self):
-        "The probed step's direction, then its start on the whole batch: the losses and their derivatives along it, from the formed gradients of the statistics that waited for it, else from a pass of their own"
-        (xb, yb), info, B, before, rec = self._start
-        t, unit = self._timed('alpha_start', self._direction, before)
-        rec, along = self._timed('gramian', self._finish, info, unit) if rec is None else (rec, None)
-        self._start = None
-        rec['step_size'] = t
-        if unit is None: rec['alpha'], rec['alpha_epoch'] = -1., self.epoch; return
-        self._unit = unit
-        l, dd = (info['sk'].losses[:B], along[:B]) if along is not None else self._timed('alpha_start', self._measure, xb, yb, before)
-        self._end = (t, self._moments(l, dd), rec)
-
-    def _finish_alpha(self):
-        "The step's end on the next whole batch, as its start was on its own whole batch: both points on the same kind of rows"
-        t, (f0, vf0, df0, vdf0), rec = self._end
-        self._end = None
-        f1, vf1, df1, vdf1 = self._moments(*self._measure(self.learn.xb, self.learn.yb))
-        rec['alpha'], rec['alpha_epoch'] = step_alpha(t, (f0, f1), (vf0, vf1), (df0, df1), (vdf0, vdf1)), self.epoch
-        self._unit = None
-
-    def epoch_means(self) -> list:
-        "The fit table's columns: means over this epoch's probed batches, and the median of the α values measured during this epoch (a step's α is known at the next batch, so the last probed step of an epoch counts in the next); NaN without any"
-        rs = self.stats[self._epoch0:]
-        alphas = [r['alpha'] for r in self.stats if r.get('alpha_epoch') == self.epoch]
-        return [_over(statistics.median, alphas) if k == 'alpha' else _over(statistics.fmean, [r[k] for r in rs]) for k in ProbeColumns.names]
-
-    def table(self):
-        "Every probed batch as a DataFrame"
-        import pandas as pd
-        return pd.DataFrame(list(self.stats))
-
-    def plot_probe(self, axs=None):
-        "The step's gradient against the batch's and chance, the norm ratio, α and the loss/gradient-norm rank correlation, over training"
-        import matplotlib.pyplot as plt
-        if axs is None: _, axs = plt.subplots(2, 2, figsize=(12, 6.5), layout='constrained')
-        axs = list(getattr(axs, 'flat', axs))
-        rs = list(self.stats)
-        it = [r['iter'] for r in rs]
-        a = axs[0]
-        a.fill_between(it, [r['rand_cos_min'] for r in rs], [r['rand_cos_max'] for r in rs], alpha=.25, color='C1', label='random choices (min-max)')
-        a.plot(it, [r['rand_cos'] for r in rs], '.-', color='C1', label='rand_cos (mean)')
-        a.plot(it, [r['grad_cos'] for r in rs], '.-', color='C0', label="grad_cos: the step's examples")
-        a.set_ylabel("cosine with the batch's gradient"); a.set_ylim(top=1.02); a.legend(fontsize=8)
-        a = axs[1]
-        a.plot(it, [r['norm_ratio'] for r in rs], '.-', label="the step's examples"); a.plot(it, [r['rand_norm_ratio'] for r in rs], '.-', label='random choices')
-        a.axhline(1, color='k', lw=.5); a.set_ylabel("gradient norm / the batch's"); a.legend(fontsize=8)
-        a = axs[2]
-        al = [(r['iter'], r['alpha']) for r in rs if r.get('alpha') is not None and not math.isnan(r['alpha'])]
-        inside = [(i, x) for i, x in al if -2 <= x <= 3]   # a nearly flat fit along a step puts α far out: one such point would hide the rest
-        a.plot([i for i, _ in inside], [x for _, x in inside], '.', color='C2', label='α')
-        out = [(i, min(max(x, -2), 3)) for i, x in al if not -2 <= x <= 3]
-        if out: a.plot([i for i, _ in out], [x for _, x in out], 'x', color='C2', label=f'beyond [-2, 3], drawn at its edge ({len(out)})')
-        a.axhline(0, color='k', lw=.5); a.set_ylim(-2.2, 3.2); a.legend(fontsize=8)
-        a.set_ylabel('α: < 0 short of the minimum along the step, 0 at it, > 0 past it', fontsize=8)
-        a = axs[3]
-        a.plot(it, [r['rho'] for r in rs], '.-', color='C3'); a.set_ylim(-1.05, 1.05)
-        a.set_ylabel('Spearman: loss vs gradient norm')
-        for a in axs: a.set_xlabel('training iteration'); a.grid(alpha=.3)
-        if len(axs[0].figure.axes) == len(axs): axs[0].figure.suptitle(f"Gradient probe: one step in {self.every}, {len(rs)} probed")   # a figure of its own
-        return axs[0].figure
 
 # %% ../nbs/02a_probe.ipynb #cc67f820
 @patch

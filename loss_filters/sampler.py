@@ -71,8 +71,185 @@ def _not_one(m:Tensor) -> Tensor:
     if len(m) > 1 and int(m.sum()) == 1: m = m.clone(); m[int((~m).nonzero()[0])] = True
     return m
 
+# %% ../nbs/02_sampler.ipynb #55c7dee5
+class _EpochOrder:
+    "A pruned epoch's order: the loader's own draws less the pruned examples, in batches, never an epoch with no batch"
+    def _epoch_batches(self, inner, keep:Tensor, world:int=1) -> tuple:
+        ("The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting); never no batch where "
+         "a plain epoch has one")
+        inner.randomize()      # what `DataLoader.__iter__` does first; the epoch then skips it (`randomize` is set to `noop` for it),
+        own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)   # so the loader draws exactly what a plain epoch draws
+        if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
+        bs, kept = inner.bs, keep.cpu()
+        self._drawn = own   # what a plain epoch draws: the diagnostics count what the epoch left out of it
+        if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
+            kept = self._top_up(inner, kept, own, min(len(own) // (bs * world) * bs * world, bs * world) if inner.drop_last else min(len(own), 1))
+            order = own[kept[own]]
+            if not inner.drop_last and len(order) % bs == 1 and 1 < bs and len(order) < len(own):   # no last batch of one
+                order = torch.cat([order, own[~kept[own]][:1]])
+            end = len(order) // bs * bs if inner.drop_last else len(order)   # the loader drops a partial last batch itself
+            return order, [min(bs, end - i) for i in range(0, end, bs)]
+        plain = [own[i:i + bs] for i in range(0, len(own), bs)]
+        if inner.drop_last and plain and len(plain[-1]) < bs: plain = plain[:-1]
+        self._drawn = torch.cat(plain) if plain else own[:0]   # less the partial batch the loader drops in a plain epoch too
+        batches = [b for b in (b[_not_one(kept[b])] for b in plain) if len(b)]
+        if plain and not batches: batches = [plain[self._warn_top_up(inner)]]   # its first batch, whole
+        return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
+
+    def _top_up(self, inner, kept:Tensor, own:Tensor, least:int) -> Tensor:
+        ("`kept`, with the first examples of `own` it leaves out kept too where it keeps fewer than `least` of `own`: an epoch trains "
+         "at least a batch")
+        short = least - int(kept[own].sum())
+        if short <= 0: return kept
+        self._warn_top_up(inner)
+        kept = kept.clone()
+        kept[own[~kept[own]][:short]] = True
+        return kept
+
+    def _warn_top_up(self, inner) -> int:
+        "Say, once per fit, that an epoch would have trained nothing and trains one batch; 0, the batch it trains"
+        if not self._warned_topup:
+            self._warned_topup = True
+            warnings.warn(f"{type(self).__name__}: epoch {self.epoch} would keep too few examples to fill one batch of the training loader "
+                          f"(`bs={inner.bs}`{' with `drop_last=True`' if inner.drop_last else ''}) and so train nothing: it trains one batch, "
+                          "topped up with examples it would leave out (said once per fit)", stacklevel=4)
+        return 0
+
+# %% ../nbs/02_sampler.ipynb #da78adb0
+class _PruneRecords:
+    "The score table's records: what each pruned epoch kept and left out, its `loss_perc` sums, and the table shared by the ranks"
+    def _warn_unvisited(self, known:Tensor, world:int):
+        ("Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` "
+         "draws with replacement)")
+        trains = len(known) - max(0, self._saved[2] - self.n_seen * world)   # what a plain epoch can reach: `drop_last` leaves a partial batch out
+        if getattr(self, '_warned_unvisited', False) or known.sum() >= .9 * trains: return
+        self._warned_unvisited = True
+        warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch, "
+                      f"where a plain epoch trains {trains}: the training loader does not draw every example each epoch (it samples with "
+                      "replacement, as `TabWeightedDL`, or draws fewer than the dataset holds); the others are always kept",
+                      stacklevel=2)
+
+    def _stale_shares(self, known:Tensor, world:int, size:int, inner):
+        "`loss_perc`'s sums: the stale loss of the examples the epoch trains, over a plain epoch's (an unknown loss counts as the mean)"
+        stale = torch.where(known, self.table, self.table[known].mean())
+        trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
+        self.n_scored = int(known.sum())
+        self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
+        self._record_decision(trained)
+
+    def _record_decision(self, trained:Tensor):
+        "The known stale scores of the epoch's draws, trained or left out, as the epoch's row of `prune_scores`"
+        n, dev = len(self.table), self.table.device
+        trained = trained.to(dev)   # draws, as `samp_perc` counts them: a loader that draws with replacement draws some examples twice
+        left = (torch.bincount(self._drawn.to(dev), minlength=n) - torch.bincount(trained, minlength=n)).clamp(min=0)
+        idx = torch.cat([trained, torch.repeat_interleave(torch.arange(n, device=dev), left)])   # an example the loader did not draw is not left out
+        s, kept = self.table[idx], torch.arange(len(idx), device=dev) < len(trained)
+        ok = s.isfinite()
+        self.prune_scores.add_many(s[ok], torch.full((int(ok.sum()),), self.epoch, device=dev), kept[ok])
+        self._pruned_epochs.append(self.epoch)
+
+    @property
+    def prune_hist(self) -> list:
+        "Per pruned epoch, counts on `prune_scores.edges` of the known stale scores of the draws it trained (`kept`) and left out (`left_out`)"
+        h = getattr(self, 'prune_scores', None)
+        c = h.table()[0] if h is not None else None
+        return [dict(epoch=e, kept=c[e, 1], left_out=c[e, 0] - c[e, 1]) for e in getattr(self, '_pruned_epochs', [])]
+
+    def _share_table(self):
+        "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
+        if dist_world()[1] == 1: return
+        sums = all_reduce_sum(torch.stack([torch.where(self.trained, self.table, 0.), self.trained.float()]))
+        self.table = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), self.table)
+
+# %% ../nbs/02_sampler.ipynb #a1b3060a
+class _RateScale:
+    "`lr_scale`'s raise of each step's rate, undone after the step, and the rates the steps used (`lr_stats`)"
+    def before_step(self):
+        "Raise the rate for this step by the epoch's multiplier (1 unless `lr_scale`), and record the rate used beside the scheduled one"
+        opt, f = self.learn.opt, self._lr_mult
+        lr = float(opt.hypers[-1]['lr'])
+        if f != 1:
+            self._lrs = [h['lr'] for h in opt.hypers]
+            opt.set_hyper('lr', [r * f for r in self._lrs])
+        self.lr_stats.append((self.learn.train_iter, lr * f, lr))
+
+    def after_step(self): self._lr_back()
+
+    def after_cancel_step(self):
+        "A skipped step (a mixed-precision overflow) used no rate"
+        if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
+
+    def after_cancel_batch(self):
+        "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
+        self.after_cancel_step()
+        self._lr_back()
+
+    def _lr_back(self):
+        "The scheduled learning rates back in the optimiser, if a raise is in place"
+        lrs, self._lrs = self.__dict__.get('_lrs'), None
+        if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
+
+    @property
+    def mean_lr_mult(self) -> float:
+        "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
+        rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
+        return sum(rs) / len(rs) if rs else 1.
+
+# %% ../nbs/02_sampler.ipynb #6c896150
+class _PrunerPlots:
+    "A pruner's diagnostics: the share trained per epoch, the stale scores kept and left out, and each step's rate"
+    def plot_kept(self, ax=None):
+        "`samp_perc` of each epoch: the share of a plain epoch that got a backward pass"
+        from matplotlib.ticker import MaxNLocator
+        ax, stats = self._axes(ax), list(getattr(self, 'epoch_stats', []))
+        ax.plot([e['epoch'] for e in stats], [e['samp_perc'] for e in stats], 'o-')
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel='epoch', ylabel='share of a plain epoch trained', ylim=(0, 1.05), title='Share trained per epoch')
+        self._note_if_empty(ax, not stats, 'no epoch yet')
+        return ax.figure
+
+    def plot_pruned_scores(self, ax=None):
+        ("Histogram of the stale scores of the draws the pruned epochs trained and of those they left out, summed over the epochs; "
+         "the bins span the scores")
+        ax = self._axes(ax)
+        h = getattr(self, 'prune_scores', None) or DataRangeHistogram(self.hist_bins, 2)
+        rows, span = self.prune_hist, h.occupied()
+        for k, c in (('kept', 'C0'), ('left_out', 'C3')):
+            counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
+            ax.stairs(counts.numpy(), h.edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
+        ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision' + self._outside_note(h), ylabel='examples (draws)',
+               title=f'What {len(rows)} pruned epoch(s) kept and left out')
+        if span: ax.set_xlim(*span)
+        ax.legend(loc='best', fontsize='small')
+        self._note_if_empty(ax, not rows, 'no pruned epoch yet')
+        return ax.figure
+
+    def plot_lr(self, ax=None):
+        "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
+        ax, rec = self._axes(ax), getattr(self, 'lr_stats', [])
+        its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
+        ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
+        ax.plot(its, used, '-', lw=1.2, label='used')
+        self._epoch_lines(ax)
+        ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
+        ax.legend(loc='best', fontsize='small')
+        self._note_if_empty(ax, not rec, 'no step yet')
+        return ax.figure
+
+    def plot_diagnostics(self):
+        "The share trained per epoch, the stale scores kept and left out, and the learning rate per step, in one figure"
+        import matplotlib.pyplot as plt
+        probe = self.probe()
+        fig = plt.figure(figsize=(15, 7.6 if probe else 3.8), layout='constrained')
+        rows = fig.subfigures(2, 1) if probe else [fig]
+        axs = rows[0].subplots(1, 3)
+        self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
+        if probe: probe.plot_probe(rows[1].subplots(1, 4))
+        fig.suptitle(self.diagnostics_title())
+        return fig
+
 # %% ../nbs/02_sampler.ipynb #79fbb49d
-class SamplerPruningCallback(LossFilterBase):
+class SamplerPruningCallback(_EpochOrder, _PruneRecords, _RateScale, _PrunerPlots, LossFilterBase):
     "Base of the sampler-level pruners: before each epoch `epoch_keep` picks the examples the epoch trains on; no scoring pass"
     def __init__(self, *, # settings by keyword only
                  anneal:float=.125, # epochs that start in the last `anneal` share of training use all data, in [0, 1]
@@ -134,45 +311,6 @@ class SamplerPruningCallback(LossFilterBase):
             for k in _epoch_attrs: o.__dict__.pop(k, None)
         inner.n, self._saved = n, None
 
-    def _epoch_batches(self, inner, keep:Tensor, world:int=1) -> tuple:
-        "The epoch's kept order and batch sizes, from the order the loader itself makes (its shuffle, its sorting); never no batch where a plain epoch has one"
-        inner.randomize()      # what `DataLoader.__iter__` does first; the epoch then skips it (`randomize` is set to `noop` for it),
-        own = torch.as_tensor(list(inner.get_idxs()), dtype=torch.long)   # so the loader draws exactly what a plain epoch draws
-        if dist_world()[1] > 1: own = all_reduce_sum(own * (dist_world()[0] == 0))   # rank 0's order on every rank, as `DistributedDL`
-        bs, kept = inner.bs, keep.cpu()
-        self._drawn = own   # what a plain epoch draws: the diagnostics count what the epoch left out of it
-        if not _keeps_batches(inner):   # a plain permutation: the kept examples fill whole batches, as in InfoBatch
-            kept = self._top_up(inner, kept, own, min(len(own) // (bs * world) * bs * world, bs * world) if inner.drop_last else min(len(own), 1))
-            order = own[kept[own]]
-            if not inner.drop_last and len(order) % bs == 1 and 1 < bs and len(order) < len(own):   # no last batch of one
-                order = torch.cat([order, own[~kept[own]][:1]])
-            end = len(order) // bs * bs if inner.drop_last else len(order)   # the loader drops a partial last batch itself
-            return order, [min(bs, end - i) for i in range(0, end, bs)]
-        plain = [own[i:i + bs] for i in range(0, len(own), bs)]
-        if inner.drop_last and plain and len(plain[-1]) < bs: plain = plain[:-1]
-        self._drawn = torch.cat(plain) if plain else own[:0]   # less the partial batch the loader drops in a plain epoch too
-        batches = [b for b in (b[_not_one(kept[b])] for b in plain) if len(b)]
-        if plain and not batches: batches = [plain[self._warn_top_up(inner)]]   # its first batch, whole
-        return (torch.cat(batches) if batches else own[:0]), [len(b) for b in batches]
-
-    def _top_up(self, inner, kept:Tensor, own:Tensor, least:int) -> Tensor:
-        "`kept`, with the first examples of `own` it leaves out kept too where it keeps fewer than `least` of `own`: an epoch trains at least a batch"
-        short = least - int(kept[own].sum())
-        if short <= 0: return kept
-        self._warn_top_up(inner)
-        kept = kept.clone()
-        kept[own[~kept[own]][:short]] = True
-        return kept
-
-    def _warn_top_up(self, inner) -> int:
-        "Say, once per fit, that an epoch would have trained nothing and trains one batch; 0, the batch it trains"
-        if not self._warned_topup:
-            self._warned_topup = True
-            warnings.warn(f"{type(self).__name__}: epoch {self.epoch} would keep too few examples to fill one batch of the training loader "
-                          f"(`bs={inner.bs}`{' with `drop_last=True`' if inner.drop_last else ''}) and so train nothing: it trains one batch, "
-                          "topped up with examples it would leave out (said once per fit)", stacklevel=4)
-        return 0
-
     def before_train(self):
         super().before_train()
         if self.epoch == 0: self._warned_unvisited = False
@@ -196,43 +334,8 @@ class SamplerPruningCallback(LossFilterBase):
         self.n_seen, self.n_kept = plain_epoch_size(self._saved[2], inner.bs, inner.drop_last, world), len(self.epoch_order)
         self._lr_mult = self.n_seen / sum(sizes) if self.lr_scale and not full and sum(sizes) else 1.
         if not full and known.any(): self._stale_shares(known, world, sum(sizes), inner)
-        if not full and self.epoch > 0 and not self.prunes_first: self._warn_unvisited(known, world)   # a pruner from the first epoch never draws some
-
-    def _warn_unvisited(self, known:Tensor, world:int):
-        "Say so, once a fit, when many examples have no stale loss: the loader does not draw every example each epoch (`TabWeightedDL` draws with replacement)"
-        trains = len(known) - max(0, self._saved[2] - self.n_seen * world)   # what a plain epoch can reach: `drop_last` leaves a partial batch out
-        if getattr(self, '_warned_unvisited', False) or known.sum() >= .9 * trains: return
-        self._warned_unvisited = True
-        warnings.warn(f"{type(self).__name__}: only {int(known.sum())} of {len(known)} training examples have a loss from an earlier epoch, "
-                      f"where a plain epoch trains {trains}: the training loader does not draw every example each epoch (it samples with "
-                      "replacement, as `TabWeightedDL`, or draws fewer than the dataset holds); the others are always kept",
-                      stacklevel=2)
-
-    def _stale_shares(self, known:Tensor, world:int, size:int, inner):
-        "`loss_perc`'s sums: the stale loss of the examples the epoch trains, over a plain epoch's (an unknown loss counts as the mean)"
-        stale = torch.where(known, self.table, self.table[known].mean())
-        trained = torch.cat([rank_share(self.epoch_order, r, world, inner.bs, inner.drop_last)[:size] for r in range(world)])
-        self.n_scored = int(known.sum())
-        self._loss_kept, self._loss_scored = stale[trained.to(stale.device)].sum(), stale.mean() * world * self.n_seen
-        self._record_decision(trained)
-
-    def _record_decision(self, trained:Tensor):
-        "The known stale scores of the epoch's draws, trained or left out, as the epoch's row of `prune_scores`"
-        n, dev = len(self.table), self.table.device
-        trained = trained.to(dev)   # draws, as `samp_perc` counts them: a loader that draws with replacement draws some examples twice
-        left = (torch.bincount(self._drawn.to(dev), minlength=n) - torch.bincount(trained, minlength=n)).clamp(min=0)
-        idx = torch.cat([trained, torch.repeat_interleave(torch.arange(n, device=dev), left)])   # an example the loader did not draw is not left out
-        s, kept = self.table[idx], torch.arange(len(idx), device=dev) < len(trained)
-        ok = s.isfinite()
-        self.prune_scores.add_many(s[ok], torch.full((int(ok.sum()),), self.epoch, device=dev), kept[ok])
-        self._pruned_epochs.append(self.epoch)
-
-    @property
-    def prune_hist(self) -> list:
-        "Per pruned epoch, counts on `prune_scores.edges` of the known stale scores of the draws it trained (`kept`) and left out (`left_out`)"
-        h = getattr(self, 'prune_scores', None)
-        c = h.table()[0] if h is not None else None
-        return [dict(epoch=e, kept=c[e, 1], left_out=c[e, 0] - c[e, 1]) for e in getattr(self, '_pruned_epochs', [])]
+        # a pruner from the first epoch never draws some
+        if not full and self.epoch > 0 and not self.prunes_first: self._warn_unvisited(known, world)
 
     def _step_idx(self) -> Tensor:
         "The dataset indices of the examples in this training step, in the batch's order"
@@ -257,43 +360,6 @@ class SamplerPruningCallback(LossFilterBase):
         if self.weights is not None:   # the policy's loss weights for this epoch, reduced as the user's loss reduces
             self.learn.loss_grad = reweighted_loss(self.learn.loss_grad, losses, self.weights[idx].to(losses.dtype))
 
-    def before_step(self):
-        "Raise the rate for this step by the epoch's multiplier (1 unless `lr_scale`), and record the rate used beside the scheduled one"
-        opt, f = self.learn.opt, self._lr_mult
-        lr = float(opt.hypers[-1]['lr'])
-        if f != 1:
-            self._lrs = [h['lr'] for h in opt.hypers]
-            opt.set_hyper('lr', [r * f for r in self._lrs])
-        self.lr_stats.append((self.learn.train_iter, lr * f, lr))
-
-    def after_step(self): self._lr_back()
-
-    def after_cancel_step(self):
-        "A skipped step (a mixed-precision overflow) used no rate"
-        if self.lr_stats and self.lr_stats[-1][0] == self.learn.train_iter: self.lr_stats.pop()
-
-    def after_cancel_batch(self):
-        "`GradientAccumulation` skips a step by cancelling the batch in `before_step`: no `after_step` follows"
-        self.after_cancel_step()
-        self._lr_back()
-
-    def _lr_back(self):
-        "The scheduled learning rates back in the optimiser, if a raise is in place"
-        lrs, self._lrs = self.__dict__.get('_lrs'), None
-        if lrs is not None: self.learn.opt.set_hyper('lr', lrs)
-
-    @property
-    def mean_lr_mult(self) -> float:
-        "The fit's mean learning-rate multiplier: the mean over its steps of the rate used over the scheduled one"
-        rs = [u / s for _, u, s in getattr(self, 'lr_stats', []) if s]
-        return sum(rs) / len(rs) if rs else 1.
-
-    def _share_table(self):
-        "Every rank recorded the scores of its own share: give all ranks the whole table (the mean where shares overlap)"
-        if dist_world()[1] == 1: return
-        sums = all_reduce_sum(torch.stack([torch.where(self.trained, self.table, 0.), self.trained.float()]))
-        self.table = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), self.table)
-
     def after_train(self):
         self._restore()
         self._share_table()
@@ -304,55 +370,6 @@ class SamplerPruningCallback(LossFilterBase):
         if getattr(self, '_saved', None) is None: return   # cancelled in validation: `after_train` has run
         self._restore()
         self._share_table()
-
-    def plot_kept(self, ax=None):
-        "`samp_perc` of each epoch: the share of a plain epoch that got a backward pass"
-        from matplotlib.ticker import MaxNLocator
-        ax, stats = self._axes(ax), list(getattr(self, 'epoch_stats', []))
-        ax.plot([e['epoch'] for e in stats], [e['samp_perc'] for e in stats], 'o-')
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set(xlabel='epoch', ylabel='share of a plain epoch trained', ylim=(0, 1.05), title='Share trained per epoch')
-        self._note_if_empty(ax, not stats, 'no epoch yet')
-        return ax.figure
-
-    def plot_pruned_scores(self, ax=None):
-        "Histogram of the stale scores of the draws the pruned epochs trained and of those they left out, summed over the epochs; the bins span the scores"
-        ax = self._axes(ax)
-        h = getattr(self, 'prune_scores', None) or DataRangeHistogram(self.hist_bins, 2)
-        rows, span = self.prune_hist, h.occupied()
-        for k, c in (('kept', 'C0'), ('left_out', 'C3')):
-            counts = torch.stack([r[k] for r in rows]).sum(0) if rows else torch.zeros(self.hist_bins, dtype=torch.long)
-            ax.stairs(counts.numpy(), h.edges.numpy(), color=c, label=f"{k.replace('_', ' ')} ({int(counts.sum())})")
-        ax.set(xscale='log', xlabel=f'stale {self.score} at the epoch\'s decision' + self._outside_note(h), ylabel='examples (draws)',
-               title=f'What {len(rows)} pruned epoch(s) kept and left out')
-        if span: ax.set_xlim(*span)
-        ax.legend(loc='best', fontsize='small')
-        self._note_if_empty(ax, not rows, 'no pruned epoch yet')
-        return ax.figure
-
-    def plot_lr(self, ax=None):
-        "The learning rate of every optimiser step (last parameter group): the rate used beside the scheduled one"
-        ax, rec = self._axes(ax), getattr(self, 'lr_stats', [])
-        its, used, sched = (list(z) for z in zip(*rec)) if rec else ([], [], [])
-        ax.plot(its, sched, '-', lw=1, color='grey', label='scheduled')
-        ax.plot(its, used, '-', lw=1.2, label='used')
-        self._epoch_lines(ax)
-        ax.set(xlabel='training iteration', ylabel='learning rate', title=f'Learning rate (mean multiplier {self.mean_lr_mult:.3g})')
-        ax.legend(loc='best', fontsize='small')
-        self._note_if_empty(ax, not rec, 'no step yet')
-        return ax.figure
-
-    def plot_diagnostics(self):
-        "The share trained per epoch, the stale scores kept and left out, and the learning rate per step, in one figure"
-        import matplotlib.pyplot as plt
-        probe = self.probe()
-        fig = plt.figure(figsize=(15, 7.6 if probe else 3.8), layout='constrained')
-        rows = fig.subfigures(2, 1) if probe else [fig]
-        axs = rows[0].subplots(1, 3)
-        self.plot_kept(axs[0]); self.plot_pruned_scores(axs[1]); self.plot_lr(axs[2])
-        if probe: probe.plot_probe(rows[1].subplots(1, 4))
-        fig.suptitle(self.diagnostics_title())
-        return fig
 
 # %% ../nbs/02_sampler.ipynb #3beb3e20
 class StaleLossPruningCallback(SamplerPruningCallback):
