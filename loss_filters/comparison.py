@@ -40,7 +40,9 @@ class Judging:
 # %% ../nbs/07b_comparison.ipynb #7c2b9d38
 class Comparison:
     "What `compare_filters` measured: the runs, the summary rows, the target, the controls and the settings; `print` it for the verdicts"
-    def __init__(self, runs:list, rows:list, target:float, budgets:list, control_of:dict, settings:dict): store_attr()
+    def __init__(self, runs:list, rows:list, target:float, plain:list, control_of:dict, settings:dict): store_attr()
+    @property
+    def budgets(self) -> list: return self.plain   # the plain schedules' old name
 
     @property
     def metric(self) -> str: return self.settings['metric']
@@ -58,7 +60,8 @@ class Comparison:
     def target_source(self) -> str:
         "Where the target comes from, in words"
         return {'reference': f"fixed from {seeds_text(self.settings.get('reference_seeds', 0))} of the plain model not judged here", 'given': 'given',
-                'judged runs': "the plain model's median final value less a small margin, set from the runs it judges: not fixed in advance"}[self._target_from()]
+                'judged runs': "the plain model's median final value less a small margin, set from the runs it judges: "
+                               "not fixed in advance"}[self._target_from()]
     @property
     def target_value(self) -> float:
         "The target in the metric's own units"
@@ -72,10 +75,10 @@ class Comparison:
     @property
     def verdicts(self) -> list:
         "Every test in words, method by method: to the target, at equal work, against the plain model, random choice and its other controls"
-        return verdict_lines(self.rows, self.budgets, self.control_of)
+        return verdict_lines(self.rows, self.plain, self.control_of)
 
     def plot(self):
-        "One figure: the metric against work over the budget curve (with the controls), and against training seconds; `plt.savefig` after it saves both"
+        "One figure: the metric against work over the plain curve, and against training seconds"
         import matplotlib.pyplot as plt
         figs = self._figures()
         fig, axs = plt.subplots(max(1, len(figs)), 1, figsize=(10, 4.5 * max(1, len(figs))), squeeze=False)
@@ -89,12 +92,12 @@ class Comparison:
     def results(self, **more) -> dict:
         "Everything measured, as plain data, and `more` (what a caller adds, such as a profile)"
         return dict(settings=self.settings, metric=self.metric, target=self.target_value, target_from=self.target_source,
-                    controls=dict(budgets=self.budgets, of=self.control_of),
-                    best_plain=best_plain(self.rows, ['baseline', *self.budgets], self.target) if self.budgets else None,
+                    controls=dict(budgets=self.plain, of=self.control_of),
+                    best_plain=best_plain(self.rows, ['baseline', *self.plain], self.target) if self.plain else None,
                     summary=self.rows, verdicts=self.verdicts, runs=self.runs, machine=machine_info()) | more
 
     def save(self, folder, results:dict|None=None, **more) -> list:
-        "Write `results.json` (`results`, when already made; else `self.results(**more)`), `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
+        "Write `results.json`, `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
         (folder / 'results.json').write_text(json.dumps(self.results(**more) if results is None else results, indent=1))
         (folder / 'summary.txt').write_text(full_text(self) + '\n')
@@ -102,11 +105,14 @@ class Comparison:
         return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in self._figures()]
 
     def _figures(self) -> list:
-        "The figures' makers and file names, `(f(ax=None), name)`: over the plain curve (with budgets) and, where seconds are read (`seconds_unread`), against time; one colour per method and its controls"
+        "The figures' makers and file names, `(f(ax=None), name)`: against work, and against time where seconds are read"
         col = plot_colors([r['method'] for r in self.rows], self.control_of)
-        budget = lambda ax=None: budget_figure(self.rows, self.budgets, self.control_of, self.metric, self.sign, ax=ax, target=self.target, colors=col)
-        timed = lambda ax=None: time_figure(self.runs, self.target, self.metric, self.sign, ax=ax, colors=col, controls=control_specs(self.control_of))
-        return ([(budget, 'accuracy_vs_budget.png')] if self.budgets else []) + ([] if seconds_unread(self.runs) else [(timed, 'accuracy_vs_time.png')])
+        def budget(ax=None):
+            return budget_figure(self.rows, self.plain, self.control_of, self.metric, self.sign, ax=ax, target=self.target, colors=col)
+        def timed(ax=None):
+            return time_figure(self.runs, self.target, self.metric, self.sign, ax=ax, colors=col, controls=control_specs(self.control_of))
+        return (([(budget, 'accuracy_vs_budget.png')] if self.plain else [])
+                + ([] if seconds_unread(self.runs) else [(timed, 'accuracy_vs_time.png')]))
 
     def __repr__(self): return summary_text(self)
 
@@ -120,20 +126,21 @@ def machine_info() -> dict:
 _SHARES = ('accuracy', 'error', 'f1', 'fbeta', 'dice', 'jaccard', 'precision', 'recall', 'auc', 'top_k')
 
 def metric_unit(metric:str, runs:list) -> str:
-    "'points' for a share metric (accuracy, error rate, F1, Dice: every value in [0, 1]), whose differences read in points; else the metric's own name"
+    "'points' for a share metric (accuracy, F1, Dice: every value in [0, 1]); else the metric's own name"
     vals = [abs(r['final_metric']) for r in runs if r.get('final_metric') is not None]
     return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric_label(metric)
 
-def judge(runs:list, budgets:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
+def judge(runs:list, plain:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
     "The `Comparison` of `runs` (reference runs set aside): summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
     judged = [r for r in runs if not r.get('reference')]
     src = settings.get('target_from') or ('given' if target is not None else 'judged runs')
     unit = metric_unit(settings.get('metric', 'accuracy'), judged)
-    alpha, settings = settings.get('alpha', .05), settings | dict(target_drop=target_drop, fixed_target=target is not None, target_from=src, unit=unit)
+    alpha = settings.get('alpha', .05)
+    settings = settings | dict(target_drop=target_drop, fixed_target=target is not None, target_from=src, unit=unit)
     rows, tgt = summarise(judged, target, target_drop, alpha)
     judged = at_target(judged, tgt)   # copies with their time and work to the target: the runs given stay as they were
-    add_verdicts(rows, budgets, control_of, len({r.get('seed') for r in judged}), tgt, runs=judged, alpha=alpha, unit=unit)
-    return Comparison(judged, rows, tgt, budgets, control_of, settings)
+    add_verdicts(rows, plain, control_of, len({r.get('seed') for r in judged}), tgt, runs=judged, alpha=alpha, unit=unit)
+    return Comparison(judged, rows, tgt, plain, control_of, settings)
 
 def read_runs(path) -> list:
     "The runs saved in `path`: a folder with `runs.jsonl`, or a runs file (`.jsonl`, or gzipped `.jsonl.gz`)"
@@ -147,15 +154,15 @@ def _runs_of(saved) -> list:
     "Copies of the runs `saved` holds under today's names: the runs themselves (a list), or a folder or file `read_runs` reads"
     return [upgrade_run(r) for r in saved] if isinstance(saved, (list, tuple)) else read_runs(saved)
 
-def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or `lf_bench`), a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
+def load_comparison(saved, # a folder with `runs.jsonl`, a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
                     alpha:float=.05, # the level of every test
-                    target:float|None=None, # the target in the metric's units; default: at the knee of the reference runs saved beside, else the plain model's median final value, `target_drop` worse
+                    target:float|None=None, # the target in the metric's units; default: from reference runs, else the plain model's
                     target_drop:float|None=None, # the last default's distance from the plain model's final value (`default_drop` when None)
                     reference=None, # reference runs of the plain model on other seeds (a file, a folder or the runs): the target at their knee
-                    score_cost:float|None=None, # count every run's work again at this cost of a scored example (in training steps, e.g. from `learner_flop_costs`)
+                    score_cost:float|None=None, # count every run's work again at this cost of a scored example, in training steps
                     proxy_cost:dict|None=None # with `score_cost`: a proxy's `score` and `step` costs, by width (`{'0.25': dict(score=.., step=..)}`)
                    ) -> Comparison:
-    "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`; runs of a method this version no longer has are judged from their numbers"
+    "Judge saved runs again, without training: the summary, verdicts and payoff lines at `alpha`"
     check_range('alpha', alpha, 0, .5, lo_open=True, hi_open=True)
     runs = _runs_of(saved)
     conf = Path(saved) / 'comparison.json' if isinstance(saved, (str, Path)) and Path(saved).is_dir() else None
@@ -172,14 +179,14 @@ def load_comparison(saved, # a folder with `runs.jsonl` (of `compare_filters` or
     runs = [r for r in runs if not r.get('reference')]
     settings |= dict(alpha=alpha, seeds=len({r.get('seed') for r in runs}))
     if score_cost is not None: settings |= dict(score_cost=score_cost, work=settings.get('work', 'recounted'))
-    budgets, control_of = found_controls(runs)
-    runs, orphans = _without_orphans(runs, budgets, control_of, settings.get('methods'))
+    plain, control_of = found_controls(runs)
+    runs, orphans = _without_orphans(runs, plain, control_of, settings.get('methods'))
     if orphans: settings |= dict(orphans=orphans)
-    return judge(runs, budgets, control_of, settings, None if target is None else sign * target, target_drop)
+    return judge(runs, plain, control_of, settings, None if target is None else sign * target, target_drop)
 
-def _without_orphans(runs:list, budgets:list, control_of:dict, methods:list|None) -> tuple:
-    "`(runs, orphans)`: the runs less those of controls no method asks for now (a resume at other shares left them), and their names; never judged as methods"
-    keep = {'baseline', *budgets, *control_specs(control_of), *control_of}
+def _without_orphans(runs:list, plain:list, control_of:dict, methods:list|None) -> tuple:
+    "`(runs, orphans)`: the runs less those of controls no method asks for now, and their names"
+    keep = {'baseline', *plain, *control_specs(control_of), *control_of}
     def orphan(n:str) -> bool:
         if n in keep: return False
         if methods: return n not in methods   # the comparison's own methods, as saved beside its runs

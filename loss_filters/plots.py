@@ -182,6 +182,6 @@ def plot_results(runs:list, target:float, out:Path, label:str='validation accura
     if fig is not None: paths.append(save_figure(fig, out / 'kept_per_batch.png'))
     return paths
 
-def plot_budget(rows:list, budgets:list, control_of:dict, out:Path, label:str='validation accuracy', sign:int=1) -> Path:
+def plot_budget(rows:list, plain:list, control_of:dict, out:Path, label:str='validation accuracy', sign:int=1) -> Path:
     "Write the final metric against work over the budget curve as a PNG in `out`"
-    return save_figure(budget_figure(rows, budgets, control_of, label, sign), Path(out) / 'accuracy_vs_budget.png')
+    return save_figure(budget_figure(rows, plain, control_of, label, sign), Path(out) / 'accuracy_vs_budget.png')

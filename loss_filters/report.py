@@ -79,20 +79,20 @@ def bend_text(v:dict, unit:str='points') -> str:
             f"{diff_text(v['bend'], unit)} above that line "
             "there: add a plain schedule near its work (`budgets`)")
 
-def target_text(r:dict, has_budgets:bool) -> str:
+def target_text(r:dict, has_plain:bool) -> str:
     "The second reading in words: work to the target against the cheapest plain schedule, a miss censored"
-    x, t = payoff_test(r, has_budgets)
+    x, t = payoff_test(r, has_plain)
     if x is None: return ''
-    what = 'the cheapest plain schedule' if has_budgets else 'the plain model'
+    what = 'the cheapest plain schedule' if has_plain else 'the plain model'
     reached = f"reached in {r.get('reached', 0)} of {r.get('repeats', 1)} runs"
     if r.get('target_censored'):
         return (f"to the target: {reached}; {what} needed at most {x:.2f}x its work "
                 "(median over seeds, a miss counted as at most its whole work)")
     return f"to the target: {reached}; {what} needed {x:.2f}x its work{_ci_x(t)}"
 
-def no_verdict_text(r:dict, has_budgets:bool=True) -> str|None:
+def no_verdict_text(r:dict, has_plain:bool=True) -> str|None:
     "Why the method in row `r` has no verdict, in words (the one ladder of reasons, for every view); None where it has one"
-    word, unit, v = payoff_word(r, has_budgets), r.get('unit', 'points'), r.get('at_work')
+    word, unit, v = payoff_word(r, has_plain), r.get('unit', 'points'), r.get('at_work')
     if word == 'never filtered': return "never filtered: the fit is too short for its schedule, so it trained like the plain model"
     if word == 'no verdict (no other plain schedule)':
         return "no verdict: training less was not run (`controls=True` runs it), so there is no plain curve to read at its work"
@@ -106,12 +106,12 @@ def no_verdict_text(r:dict, has_budgets:bool=True) -> str|None:
         return (f"no verdict from {seeds_text(v['n'] if v else 1)}{d}: the test needs the spread over seeds, "
                 "however large the difference; run 5 or more")
 
-def payoff_line(r:dict, has_budgets:bool=True) -> str:
+def payoff_line(r:dict, has_plain:bool=True) -> str:
     "Whether the method in row `r` pays on this data, in one line"
     m, a, unit = r['method'], r.get('alpha', .05), r.get('unit', 'points')
-    word, v, second = payoff_word(r, has_budgets), r.get('at_work'), target_text(r, has_budgets)
+    word, v, second = payoff_word(r, has_plain), r.get('at_work'), target_text(r, has_plain)
     tail = f"; {second}" if second else ''
-    if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}{tail}"
+    if (why := no_verdict_text(r, has_plain)) is not None: return f"{m}: {why}{tail}"
     head = f"at {pct_text(a)} ({seeds_text(v['n'])})"
     why = f"; {_batch_note(r)}" if _batch_note(r) else ''
     return f"{m}: {word} {head}: {equal_work_text(v, unit)}{why}{_seeds_plan(r, word)}{tail}"
@@ -124,9 +124,9 @@ def _seeds_plan(r:dict, word:str) -> str:
     return (f"; a gain of this size at this spread needs about {k} seeds to show" if k
             else "; a gain of this size at this spread needs more than 100 seeds to show")
 
-def target_cell(r:dict, has_budgets:bool=True) -> str:
+def target_cell(r:dict, has_plain:bool=True) -> str:
     "The second reading in a table cell: the work ratio to the target and the runs that got there"
-    n, k, x = r.get('repeats', 1), r.get('reached', 0), payoff_test(r, has_budgets)[0]
+    n, k, x = r.get('repeats', 1), r.get('reached', 0), payoff_test(r, has_plain)[0]
     if not k or x is None: return f"missed ({k} of {n})" if not k else f"not read ({k} of {n})"
     return f"{'≤' if r.get('target_censored') else ''}{x:.2f}x ({k} of {n})"
 
@@ -155,10 +155,10 @@ def paid_text(r:dict) -> str|None:
     return (f"used {p['work']:.2f}x the plain model's work" + (f" and {p['seconds']:.2f}x its seconds" if p.get('seconds') else " (seconds not read)")
             + " (its full schedule, medians)")
 
-def method_note(r:dict, has_budgets:bool=True) -> str:
+def method_note(r:dict, has_plain:bool=True) -> str:
     "One line on a method beside the verdict table: why it has no verdict, or what its controls add"
-    m, unit, a, word = r['method'], r.get('unit', 'points'), r.get('alpha', .05), payoff_word(r, has_budgets)
-    if (why := no_verdict_text(r, has_budgets)) is not None: return f"{m}: {why}" + (f"; {c}" if (c := paid_text(r)) else '')
+    m, unit, a, word = r['method'], r.get('unit', 'points'), r.get('alpha', .05), payoff_word(r, has_plain)
+    if (why := no_verdict_text(r, has_plain)) is not None: return f"{m}: {why}" + (f"; {c}" if (c := paid_text(r)) else '')
     v, notes = r['at_work'], [c] if (c := paid_text(r)) else []
     if word != 'pays' and (why := _batch_note(r)): notes.append(f"above training less at its work ({diff_text(v['diff'], unit)}), {why}")
     elif r.get('vs_random_work'): notes.append(_random_note(r['vs_random_work'], unit, word == 'pays', 'at equal work'))
@@ -193,14 +193,14 @@ def _to_target_words(r:dict) -> str:
               + f" ({'wall-clock ' + ' and '.join(wall) + '; ' if wall else ''}above 1x the method needs less)")
     return s
 
-def verdict_lines(rows:list, budgets:list, control_of:dict) -> list:
+def verdict_lines(rows:list, plain:list, control_of:dict) -> list:
     "Plain-words verdicts: each method against the baseline, the cheapest plain schedule and its controls"
     by, out = {r['method']: r for r in rows}, []
     base = by.get('baseline')
     controls = control_specs(control_of)
     for r in rows:
         m, unit = r['method'], r.get('unit', 'points')
-        if m == 'baseline' or m in budgets or m in controls: continue
+        if m == 'baseline' or m in plain or m in controls: continue
         if r.get('never_filtered'):
             out.append(f"{m}: never filtered in this run (the fit is too short for its schedule): it trained like the baseline")
             continue
@@ -292,13 +292,13 @@ def estimate_text(first_s:float, fits:float, saved:int=0, workers:int=1) -> str:
 
 def judged_rows(cmp) -> list:
     "The rows of the methods a comparison judges: not the plain model, its other schedules or the controls"
-    skip = {'baseline', *cmp.budgets, *control_specs(cmp.control_of)}
+    skip = {'baseline', *cmp.plain, *control_specs(cmp.control_of)}
     return [r for r in cmp.rows if r['method'] not in skip]
 
-def seconds_cell(r:dict, has_budgets:bool) -> str|None:
+def seconds_cell(r:dict, has_plain:bool) -> str|None:
     "The first reading in seconds in a table cell: its word and what the better alternative needs"
     v = r.get('at_work_s')
-    return f"{payoff_word(r, has_budgets, 'at_work_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
+    return f"{payoff_word(r, has_plain, 'at_work_s').split(' (')[0]}, {mult_text(v['best_x'], v['best_x_censored'])}" if v else None
 
 def _num(x:float, unit:str) -> str: return diff_text(x, unit).split()[0]   # the number alone: the unit is said once, in a legend or a column before
 
@@ -320,7 +320,7 @@ def work_unit(settings:dict) -> str:
 
 def summary_text(cmp) -> str:
     "What `print(cmp)` shows: a table of the verdicts, what its columns mean, then a line per method"
-    lvl, has, unit, a = ci_level(cmp.rows), bool(cmp.budgets), cmp.unit, cmp.alpha
+    lvl, has, unit, a = ci_level(cmp.rows), bool(cmp.plain), cmp.unit, cmp.alpha
     rows, tgt = judged_rows(cmp), f"{cmp.target_value:.4f}"
     table = text_table([['method', 'verdict', 'at equal work', 'an alternative needs', 'in seconds']] +
                        [[r['method'], payoff_word(r, has).split(' (')[0], _interval(r.get('at_work'), unit), _needs(r.get('at_work')),
@@ -343,7 +343,7 @@ def summary_text(cmp) -> str:
 
 def brief_table(cmp) -> str:
     "The verdicts as a short text table, one line per method (the controls left out)"
-    lvl, has, unit = ci_level(cmp.rows), bool(cmp.budgets), cmp.unit
+    lvl, has, unit = ci_level(cmp.rows), bool(cmp.plain), cmp.unit
     pts = lambda v: f"{diff_text(v['diff'], unit)} {v['verdict']}" if v else ''   # in the metric's units, + better, as in the payoff lines
     ci = lambda v: f"{_num(v['lo'], unit)} to {_num(v['hi'], unit)}" if v and v.get('lo') is not None else ''
     held = lambda v: '' if not v else (f"{diff_text(v['diff'], unit)} "
@@ -360,7 +360,7 @@ def brief_table(cmp) -> str:
 
 def payoff_lines(cmp) -> list:
     "One line per method judged: does it pay here, against the best simple alternative?"
-    return [payoff_line(r, bool(cmp.budgets)) for r in judged_rows(cmp)]
+    return [payoff_line(r, bool(cmp.plain)) for r in judged_rows(cmp)]
 
 def full_text(cmp) -> str:
     "Every figure of every method and control as a wide text table, then every verdict in words"
@@ -390,6 +390,6 @@ def summary_frame(cmp):
             d[k] = f"{diff_text(r[k]['diff'], cmp.unit)} {r[k]['verdict']}" if r.get(k) else None
         v = r.get('at_work') or {}
         d['training_less_needs'] = mult_text(v.get('x'), v.get('x_censored')) if v else None   # the first reading as a work multiplier
-        d['payoff'] = payoff_word(r, bool(cmp.budgets)) if r['method'] in judged else None
+        d['payoff'] = payoff_word(r, bool(cmp.plain)) if r['method'] in judged else None
         out.append(d)
     return pd.DataFrame(out).set_index('method')

@@ -91,7 +91,7 @@ def _pava(pts:list) -> list:
     return [tuple(p) for p in out]
 
 def plain_curve(runs:list, # the runs of a comparison
-                plain:list # the plain schedules' method names (`baseline` and the budgets)
+                plain:list # the plain schedules' method names (`baseline` and its other schedules)
                ) -> dict|None:
     "The plain model's final value against work over every seed: its points, pooled variance and degrees of freedom"
     by = {}
@@ -188,7 +188,7 @@ def alternative_work(curve:dict, # the plain curve (`plain_curve`)
 
 def equal_work(runs:list, # the runs of a comparison
                method:str, # the method judged
-               plain:list, # the plain schedules' method names (`baseline` and the budgets)
+               plain:list, # the plain schedules' method names (`baseline` and its other schedules)
                alpha:float=.05, # the level of the test
                curve:dict|None=None, # `plain_curve(runs, plain)`, when already made
                same:str|None=None, # the plain model's runs at the method's own work (`baseline:same_work=...`):
@@ -339,12 +339,12 @@ def speed_drift(runs:list, bound:float=DRIFT) -> str|None:
         return (f"the machine's speed changed during the sitting ({lo:.3g} to {hi:.3g} s per epoch of work "
                 f"among the plain model's runs, more than {bound:g}x apart)")
 
-def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:float|None=None, runs:list|None=None,
+def add_verdicts(rows:list, plain:list, control_of:dict, n_seeds:int, target:float|None=None, runs:list|None=None,
                  alpha:float=.05, margin:float=.002, unit:str='points') -> list:
     "Each method's readings against the plain curve, the cheapest plain schedule and its controls, tested over seeds"
     by = {r['method']: r for r in rows}
     if runs and target is not None: runs = at_target(runs, target)   # each run's time and work to the target, on copies
-    plain = [m for m in ['baseline', *budgets] if m in by]
+    plain = [m for m in ['baseline', *plain] if m in by]   # with the full schedule
     pcurve = sorted((by[m]['work'], by[m]['final_metric'], 0.) for m in plain if by[m].get('work') is not None)
     controls = control_specs(control_of)
     roles = {m: control_roles(m, cs) for m, cs in control_of.items()}
@@ -396,17 +396,17 @@ def add_verdicts(rows:list, budgets:list, control_of:dict, n_seeds:int, target:f
             if rand in by: r['vs_random'] = untested(r['final_metric'] - by[rand]['final_metric']) | dict(control=rand)
     return rows
 
-def payoff_test(r:dict, has_budgets:bool) -> tuple:
+def payoff_test(r:dict, has_plain:bool) -> tuple:
     "The second reading: the work ratio to the target, and its test"
-    return (r.get('vs_best_plain_work_x'), r.get('vs_best_plain_work_test')) if has_budgets else (r.get('work_x'), r.get('work_x_test'))
+    return (r.get('vs_best_plain_work_x'), r.get('vs_best_plain_work_test')) if has_plain else (r.get('work_x'), r.get('work_x_test'))
 
 _PAYS = {'beats': 'pays', 'loses': 'does not pay', 'no difference shown': 'no gain shown', 'no verdict (1 seed)': 'no verdict (1 seed)',
          'no verdict (no per-seed runs)': 'no verdict (no per-seed runs)', 'within the bend': 'no verdict (bend)'}
 
-def payoff_word(r:dict, has_budgets:bool=True, key:str='at_work') -> str:
+def payoff_word(r:dict, has_plain:bool=True, key:str='at_work') -> str:
     "The first reading in a word or two: 'pays' where the method beats both simple alternatives"
     if r.get('never_filtered'): return 'never filtered'
-    if not has_budgets: return 'no verdict (no other plain schedule)'
+    if not has_plain: return 'no verdict (no other plain schedule)'
     if not r.get(key): return 'no verdict (work outside the plain schedules)'   # `key`: 'at_work' reads work, 'at_work_s' seconds
     word = _PAYS[r[key]['verdict']]
     if word != 'pays': return word
