@@ -161,4 +161,5 @@ def test_a_run_without_its_own_seeds_baseline_is_not_paired_with_another(shapes)
     cmp = judge(runs, [m for e, m in PLAIN.items() if e != 9], {'blf': []}, dict(alpha=.05))
     row = next(r for r in cmp.rows if r['method'] == 'blf')
     assert row['unpaired'] == 1 and row['at_work']['n'] == 3 and payoff_word(row, True) != 'pays'
-    assert [r['work_x'] for r in runs if r['method'] == 'blf' and r['seed'] == 2] == [None]
+    assert [r['work_x'] for r in cmp.runs if r['method'] == 'blf' and r['seed'] == 2] == [None]
+    assert not any('work_x' in r for r in runs)   # the runs given are read, never written into

@@ -100,8 +100,8 @@ def filtered_share(cb, epochs, n_batches):
 
 def callback(spec:str, **every):
     "The callback `compare_filters` builds for `spec`, with the settings in `every` changed"
-    _, cls, kw, _ = parse_method(spec)
-    return cls(**{**kw, **every})
+    m = parse_method(spec)
+    return m.cls(**{**m.kw, **every})
 
 
 def dry_run(name, args, say) -> tuple:
