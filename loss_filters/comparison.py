@@ -22,7 +22,7 @@ __all__ = ['Judging', 'Comparison', 'machine_info', 'metric_unit', 'judge', 'rea
 # %% ../nbs/07b_comparison.ipynb #5a205ede
 @dataclass(frozen=True)
 class Judging:
-    "How a comparison is judged: the metric and its direction, the target, the tests' level, and how work is counted"
+    "How a comparison is judged: its metric, target, tests' level and unit of work"
     metric:str|None=None # the Recorder's name of the metric the target is on; None: the Learner's first metric
     lower_is_better:bool|None=None # whether lower is better for `metric`; None: guessed from its name
     target:float|None=None # the target value of `metric`, fixed in advance; None: from reference seeds, else the plain model's
@@ -39,7 +39,7 @@ class Judging:
 
 # %% ../nbs/07b_comparison.ipynb #7c2b9d38
 class Comparison:
-    "What `compare_filters` measured: the runs, the summary rows, the target, the controls and the settings; `print` it for the verdicts"
+    "What `compare_filters` measured and how it reads: `print` it for the verdicts"
     def __init__(self, runs:list, rows:list, target:float, plain:list, control_of:dict, settings:dict): store_attr()
     @property
     def budgets(self) -> list: return self.plain   # the plain schedules' old name
@@ -69,12 +69,12 @@ class Comparison:
 
     @property
     def table(self):
-        "The summary as a DataFrame, one row per method and control (medians over its runs), indexed by a short name (the spec in column `spec`)"
+        "The summary as a DataFrame: one row per method and control, medians over its runs, by short name"
         return summary_frame(self)
 
     @property
     def verdicts(self) -> list:
-        "Every test in words, method by method: to the target, at equal work, against the plain model, random choice and its other controls"
+        "Every test in words, method by method"
         return verdict_lines(self.rows, self.plain, self.control_of)
 
     def plot(self):
@@ -97,7 +97,7 @@ class Comparison:
                     summary=self.rows, verdicts=self.verdicts, runs=self.runs, machine=machine_info()) | more
 
     def save(self, folder, results:dict|None=None, **more) -> list:
-        "Write `results.json`, `summary.txt` (every figure and verdict) and the figures as PNGs in `folder`; their paths"
+        "Write `results.json`, `summary.txt` and the figures as PNGs in `folder`; their paths"
         folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
         (folder / 'results.json').write_text(json.dumps(self.results(**more) if results is None else results, indent=1))
         (folder / 'summary.txt').write_text(full_text(self) + '\n')
@@ -105,7 +105,7 @@ class Comparison:
         return [folder / 'results.json', folder / 'summary.txt'] + [save_figure(f(), folder / n) for f, n in self._figures()]
 
     def _figures(self) -> list:
-        "The figures' makers and file names, `(f(ax=None), name)`: against work, and against time where seconds are read"
+        "`(f(ax=None), name)` of each figure: against work, and against time where seconds are read"
         col = plot_colors([r['method'] for r in self.rows], self.control_of)
         def budget(ax=None):
             return budget_figure(self.rows, self.plain, self.control_of, self.metric, self.sign, ax=ax, target=self.target, colors=col)
@@ -131,7 +131,7 @@ def metric_unit(metric:str, runs:list) -> str:
     return 'points' if any(w in metric.lower() for w in _SHARES) and all(v <= 1 for v in vals) else metric_label(metric)
 
 def judge(runs:list, plain:list, control_of:dict, settings:dict, target:float|None=None, target_drop:float|None=None) -> Comparison:
-    "The `Comparison` of `runs` (reference runs set aside): summary, verdicts at `settings['alpha']` (5% when absent), payoff lines"
+    "The `Comparison` of `runs`: their summary and verdicts at `settings['alpha']` (5% when absent)"
     judged = [r for r in runs if not r.get('reference')]
     src = settings.get('target_from') or ('given' if target is not None else 'judged runs')
     unit = metric_unit(settings.get('metric', 'accuracy'), judged)
@@ -151,7 +151,7 @@ def read_runs(path) -> list:
     return [upgrade_run(json.loads(l)) for l in text.splitlines() if l.strip()]   # under today's names
 
 def _runs_of(saved) -> list:
-    "Copies of the runs `saved` holds under today's names: the runs themselves (a list), or a folder or file `read_runs` reads"
+    "Copies of the runs `saved` holds (a list, or a folder or file `read_runs` reads), under today's names"
     return [upgrade_run(r) for r in saved] if isinstance(saved, (list, tuple)) else read_runs(saved)
 
 def load_comparison(saved, # a folder with `runs.jsonl`, a runs file (`.jsonl`, `.jsonl.gz`), or the runs themselves
@@ -196,7 +196,7 @@ def _without_orphans(runs:list, plain:list, control_of:dict, methods:list|None) 
     return [r for r in runs if r['method'] not in orphans], orphans
 
 def _proxy_of(run:dict, proxy_cost:dict|None, settings:dict, what:str='proxy') -> dict|None:
-    "The costs of `run`'s proxy (by its `proxy=` width), or of its references (`what='ref_width'`), from `proxy_cost` or the saved settings"
+    "The costs of `run`'s proxy, or of its references (`what='ref_width'`), by their width"
     w = getattr(judged_method(run['method']), what)
     if w is None: return None
     costs = proxy_cost if proxy_cost is not None else settings.get('proxy_cost', {})

@@ -26,7 +26,7 @@ def _axes(ax, size):
 _PALETTE = ['tab:orange', 'tab:green', 'tab:red', 'tab:purple', 'tab:brown', 'tab:pink', 'tab:olive', 'tab:cyan', 'tab:blue']
 
 def plot_colors(names:list, control_of:dict|None=None) -> dict:
-    "A colour per method for every figure of a comparison: the plain model black, its other schedules grey, each control its method's"
+    "A colour per method, the same in every figure: the plain model black, each control its method's"
     names, control_of = list(dict.fromkeys(names)), control_of or {}
     judged = {m for m, cs in control_of.items() if cs}
     of = {c: m for m, cs in control_of.items() for c in cs if c not in judged}
@@ -67,7 +67,7 @@ def _legend_outside(ax, handles=None, labels=None):
     ax.legend(*args, fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1), borderaxespad=0., frameon=False)
 
 def _name_at(ax, x:float, y:float, text:str, color, above:int=0, left:bool=False):
-    "`text` beside the point `(x, y)` in its colour: `above` lines higher where names would overlap, `left` of it near the right edge"
+    "`text` beside the point `(x, y)` in its colour, raised `above` lines, or `left` of it"
     ax.annotate(text, (x, y), xytext=(-5 if left else 5, 3 + 9 * above), textcoords='offset points', fontsize=7, color=color,
                 ha='right' if left else 'left')
 
@@ -123,7 +123,7 @@ def budget_figure(rows:list, # the summary rows
     return ax.figure
 
 def _median_curve(rs:list, sign:int) -> tuple:
-    "The median over runs of training seconds and of the metric at each check (runs of one method share their checks)"
+    "The median over runs of training seconds and of the metric at each check"
     import statistics
     n = min(len(r['history']) for r in rs)
     med = lambda xs: statistics.median(xs)
@@ -137,7 +137,7 @@ def time_figure(runs:list, # the runs
                 ax=None, # draw on these axes; default a new figure
                 colors:dict|None=None, # method -> colour (`plot_colors`); the same in every panel
                 controls:list|None=None): # the controls' names: left out (they are in the table)
-    "The metric at every check against training seconds: one line for each method and plain schedule, and the target"
+    "The metric against training seconds: one line for each method and plain schedule, and the target"
     ax, label, controls = _axes(ax, (9, 4.5)), metric_label(label), controls or []
     col, mk = colors or plot_colors([r['method'] for r in runs]), plain_markers([r['method'] for r in runs if r['method'] not in controls])
     names = list(dict.fromkeys(r['method'] for r in runs if r['method'] not in controls))
@@ -155,7 +155,7 @@ def time_figure(runs:list, # the runs
     return ax.figure
 
 def kept_figure(runs:list):
-    "The share of each batch kept, over training iterations, for the first run of every method that filtered batches; None if none did"
+    "The share of each batch kept over training, for each method that filtered batches; None if none did"
     methods = list(dict.fromkeys(r['method'] for r in runs))
     firsts = [(i, next(x for x in runs if x['method'] == m)) for i, m in enumerate(methods)]
     firsts = [(i, r) for i, r in firsts if r['kept']]
@@ -169,7 +169,7 @@ def kept_figure(runs:list):
     return fig
 
 def save_figure(fig, path:Path) -> Path:
-    "Write `fig` as a PNG at `path` (grown to hold a legend outside the axes, and a title wider than them), close it, and return the path"
+    "Write `fig` as a PNG at `path`, grown to hold its legend and title, close it, and return the path"
     fig.savefig(path, dpi=110, bbox_inches='tight'); _plt().close(fig)
     return Path(path)
 
