@@ -44,10 +44,11 @@ __all__ = ['PRESETS', 'SWITCH', 'MORE', 'BenchData', 'Preset', 'bench_work_costs
 # curve still rises past the full schedule), 6 seeds: where savings are claimed. `long`: clean images on a short schedule at the plain
 # model's plateau, every control beside every method: the check that a filter loses nothing there. `aug`: crop and flip on a long one-cycle
 # schedule at its plateau, the regime the recipes were published for. `noisy`: wrong training labels (20%, or `label_noise`), a schedule long
-# enough for the MLP to learn them by heart, where ranking by the raw loss points at the wrong labels. A preset's `target` holds for its own data and settings.
+# enough for the MLP to learn them by heart, where ranking by the raw loss points at the wrong labels.
+# A preset's `target` holds for its own data and settings.
 @dataclass(frozen=True)
 class BenchData:
-    "The bench's data and model: which images, how many, how labelled, in which batches, and which network"
+    "The bench's data and model: which images, how many, how labelled, in which batches, which network"
     data:str='auto' # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
     n_train:int|None=None # use only this many training examples; None or 0: all
     n_valid:int|None=None # use only this many validation examples; None or 0: all
@@ -65,7 +66,7 @@ class BenchData:
 
 @dataclass(frozen=True)
 class Preset:
-    "A named bench setting: its data and model, its methods and rate, what trains beside them, and how it is judged"
+    "A named bench setting: its data, model, methods and rate, what trains beside them, how it is judged"
     data:BenchData # the data and the model
     methods:str # the methods, space-separated
     lr:float # the one-cycle schedule's maximum rate
@@ -73,7 +74,7 @@ class Preset:
     judging:Judging=Judging() # how it is judged
     target:float|None=None # the target fixed in advance, from reference seeds of this very setting
     def target_for(self, data_name:str, bd:BenchData, epochs:int, lr:float) -> float|None:
-        "The preset's fixed target where a run is the preset as its reference runs were (data, size, schedule, rate, model)"
+        "The preset's fixed target where a run is the preset as its reference runs were"
         p = self.data
         same = (data_name == 'fashion_mnist' and bd.model == p.model and not bd.label_noise
                 and (epochs, lr, bd.bs, bd.n_train, bd.augment) == (self.design['epochs'], self.lr, p.bs, p.n_train, p.augment))
@@ -103,7 +104,7 @@ def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
                      widths:tuple=(.25, .5), # proxy widths to count
                      proxy_model:str|None=None # the proxies' family, a bench model; None: the model's own
                     ) -> tuple:
-    "The bench `model`'s costs counted in operations: a scored example's in training steps (`score_cost`) and each proxy width's (`proxy_cost`), as `load_comparison` takes them to count saved runs' work again"
+    "The bench `model`'s costs counted in operations: `(score_cost, proxy_cost)`"
     x, y = torch.randn(8, *shape), torch.arange(8) % n_out
     dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=8, device='cpu', num_workers=0)
     learn = Learner(dls, MODELS[model](x, n_out), loss_func=CrossEntropyLossFlat())
@@ -115,7 +116,7 @@ def bench_work_costs(model:str='cnn', # a bench model, one of `MODELS`
 
 # %% ../nbs/10_bench.ipynb #a18fb58e
 def valid_accuracy(model, dl) -> float:
-    "Accuracy of `model` on every batch of `dl`, in eval mode and without gradients; the mode and the global RNGs are put back after"
+    "Accuracy of `model` on every batch of `dl`, in eval mode and without gradients"
     was, correct, n, state = model.training, 0, 0, random.getstate()
     model.eval()
     try:   # iterating a loader draws a seed from torch's global RNG: a check inside an epoch must not move the filters' draws
@@ -126,7 +127,7 @@ def valid_accuracy(model, dl) -> float:
 
 def run_method(dls, spec:str, epochs:int=5, lr:float=3e-3, seed:int=0, model:str='cnn', show_progress:bool=True,
                diag:Path|None=None, evals_per_epoch:int=1, cbs:list|None=None) -> dict:
-    "Train one method from `seed` on the bench `model` and `dls`: its timings, work, history and kept shares (`run_fit`)"
+    "Train one method from `seed` on the bench `model`: its timings, work, history and kept shares"
     return run_fit(partial(bench_learner, dls, model), spec, epochs=epochs, lr=lr, seed=seed, metric='accuracy', evals_per_epoch=evals_per_epoch,
                    check=valid_accuracy, show_progress=show_progress, diag=diag, cbs=cbs)
 
@@ -163,7 +164,7 @@ def _switch(name:str, v) -> bool|None:
 
 def bench_settings(preset:str, data:str='auto', methods:str|None=None, model:str|None=None, epochs:int|None=None,
                    seeds:int|None=None, **more) -> tuple:
-    "`(BenchData, methods, design settings, Judging, lr, profile)`: the preset's values, each overridden where given"
+    "A bench run's settings: the preset's values, each overridden where given"
     if preset not in PRESETS: raise ValueError(f"`preset` must be one of {', '.join(PRESETS)}, got {preset!r}")
     if bad := sorted(set(more) - set(MORE)):
         raise TypeError(f"lf_bench() got an unexpected keyword argument {bad[0]!r}; its other settings are {', '.join(MORE)}")
@@ -178,7 +179,7 @@ def bench_settings(preset:str, data:str='auto', methods:str|None=None, model:str
 
 # %% ../nbs/10_bench.ipynb #7b8e16a3
 def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
-    "Save the data settings of a run in `out`; on `resume`, check the saved ones match and return the saved runs' score cost"
+    "Save a run's data settings in `out`; on `resume`, check the saved ones match"
     f = out / 'bench.json'
     if resume and f.exists():
         saved = json.loads(f.read_text())
@@ -191,18 +192,20 @@ def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
 
 def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool, confusable:bool=False) -> tuple:
     "`(dls, name)` of the bench's data, loaded once per process for every fit that asks"
-    dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise, **(dict(confusable=True) if confusable else {}))
+    dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise,
+                         **(dict(confusable=True) if confusable else {}))
     if augment: dls.train.after_batch = CropFlip(pad=2)
     return dls, name
 
 class BenchLearners:
-    "The bench's `make_learner` (call it) and `make_proxy` (`.proxy(width)`) as one picklable object: each worker process loads the data once"
+    "The bench's `make_learner` and `make_proxy` as one picklable object"
     def __init__(self, data:str, bs:int, n_train:int|None, n_valid:int|None, seed:int, label_noise:float=0., augment:bool=False, model:str='cnn',
                  proxy_model:str|None=None, # the proxy's family, a bench model; None: the model's own
                  confusable:bool=False): # wrong labels only within the classes a person confuses
         store_attr()
     @property
-    def dls(self) -> DataLoaders: return _bench_dls(self.data, self.bs, self.n_train, self.n_valid, self.seed, self.label_noise, self.augment, self.confusable)[0]
+    def dls(self) -> DataLoaders:
+        return _bench_dls(self.data, self.bs, self.n_train, self.n_valid, self.seed, self.label_noise, self.augment, self.confusable)[0]
     def __call__(self) -> Learner: return bench_learner(self.dls, self.model)
     def proxy(self, width:float) -> nn.Module: return make_model(self.proxy_model or self.model, self.dls, width)
 
@@ -219,7 +222,7 @@ def lf_bench(preset:str='main', # the bench setting to start from: `main` (the m
              quiet:bool=False, # no fastai progress bars or per-epoch tables (none either when the output goes to a file or a pipe)
              probe_cost:bool=False, # instead of comparing filters: the gradient probe's cost on `model`, to probe_cost.json
              **more): # any other setting by name (`MORE`): the data's (`bs`, `n_train`, `label_noise`...), the design's, the judging's, `lr`
-    "Train the bench model with and without each loss filter and compare work and time to accuracy (`compare_filters`)"
+    "Train the bench model with and without each loss filter and compare work and time to accuracy"
     bd, methods, design, judging, lr, profile = bench_settings(preset, data, methods, model, epochs, seeds, **more)
     specs = methods.split()
     for s in specs: parse_method(s)
@@ -251,7 +254,7 @@ def lf_bench(preset:str='main', # the bench setting to start from: `main` (the m
     return _bench_report(cmp, dls, specs, out, profile, bd, saved)
 
 def _data_settings(data_name:str, bd:BenchData, dls, seed:int) -> dict:
-    "What a resumed run's data must match: the data set, its sizes, labels and transforms, the models, and the seed that drew them"
+    "What a resumed run's data must match"
     return (dict(data=data_name, model=bd.model, proxy_model=bd.proxy_model or bd.model, n_train=len(dls.train_ds), n_valid=len(dls.valid_ds),
                  bs=bd.bs, augment=bd.augment, label_noise=bd.label_noise, seed=seed) | (dict(confusable=True) if bd.confusable else {}))
 
@@ -265,7 +268,7 @@ def _bench_line(data_name:str, bd:BenchData, preset:str, dls, plan:Design, lr:fl
                if bd.label_noise else ''))
 
 def _bench_report(cmp, dls, specs:list, out:Path, profile:bool, bd:BenchData, saved:dict) -> dict:
-    "Print and save what the comparison found, with the figures, and each scoring method's profile (`profile`)"
+    "Print and save what the comparison found, with the figures and each scoring method's profile"
     runs, st = cmp.runs, cmp.settings
     cost = st['score_cost']
     print(f"a scored example costs {cost:.3f} training steps on this model ({'counted in operations' if st.get('work') == 'flops' else 'timed'}"
@@ -284,20 +287,23 @@ def _bench_report(cmp, dls, specs:list, out:Path, profile:bool, bd:BenchData, sa
 
 # %% ../nbs/10_bench.ipynb #2c31f0db
 def _probe_cost(dls, data_name:str, model:str, seed:int, out:Path, repeats:int=3) -> dict:
-    "`lf_bench --probe_cost`: the probe's cost over `repeats` fits, printed and written to probe_cost.json"
+    "`lf_bench --probe_cost`: the probe's cost over `repeats` fits, printed and written to a file"
     run_fit(partial(bench_learner, dls, model), 'baseline', epochs=1, lr=3e-3, seed=seed)   # warm-up, not reported
     r = profiler.probe_cost(dls, model, seed=seed, repeats=repeats)   # the function: `lf_bench`'s flag of that name only asks for it
     r.update(data=data_name, machine=machine_info())
     (out / 'probe_cost.json').write_text(json.dumps(r, indent=1))
     print(f"lf_bench --probe_cost: {data_name}, model {model} ({r['params']:,} parameters), batches of {r['bs']}, medians of {r['repeats']} fits: "
-          f"a probe {r['probe_ms']:.1f} ms = {r['probe_steps']:.2f} steps of the same fit ({r['step_ms']:.1f} ms; {r['plain_step_ms']:.1f} ms in the plain fits beside); "
-          f"{r['probes']} probes in {r['steps']} steps at every={r['every']} took {r['share']:.1%} of the fit's training time; per probe: its pass and statistics {r.get('gramian_ms', 0):.1f} ms, "
-          f"α's start {r.get('alpha_start_ms', 0):.1f} ms, α's end {r.get('alpha_end_ms', 0):.1f} ms; torchjd's Gramian alone {r['torchjd_gramian_ms']:.1f} ms")
+          f"a probe {r['probe_ms']:.1f} ms = {r['probe_steps']:.2f} steps of the same fit "
+          f"({r['step_ms']:.1f} ms; {r['plain_step_ms']:.1f} ms in the plain fits beside); "
+          f"{r['probes']} probes in {r['steps']} steps at every={r['every']} took {r['share']:.1%} of the fit's training time; "
+          f"per probe: its pass and statistics {r.get('gramian_ms', 0):.1f} ms, "
+          f"α's start {r.get('alpha_start_ms', 0):.1f} ms, α's end {r.get('alpha_end_ms', 0):.1f} ms; "
+          f"torchjd's Gramian alone {r['torchjd_gramian_ms']:.1f} ms")
     return r
 
 # %% ../nbs/10_bench.ipynb #db173f8a
 def _spelled_for(parser, argv:list) -> list:
-    "`argv` with every `--long_option` or `--long-option` spelled as `parser` knows it (fastcore 1 uses `_`, fastcore 2 `-`)"
+    "`argv` with every long option spelled as `parser` knows it"
     known = {o[2:].replace('-', '_'): o for o in parser._option_string_actions if o.startswith('--')}
     def fix(a:str) -> str:
         if not a.startswith('--'): return a
@@ -306,7 +312,7 @@ def _spelled_for(parser, argv:list) -> list:
     return [fix(a) for a in argv]
 
 def bench_parser():
-    "`lf_bench`'s command line: its own options from their docments, then every other setting (`MORE`), with their choices"
+    "`lf_bench`'s command line: its own options, then every other setting (`MORE`)"
     p = anno_parser(lf_bench)
     p._remove_action(more := next(a for a in p._actions if a.dest == 'more'))   # `**more` is spelled out below, one option each
     p._positionals._group_actions.remove(more)
