@@ -13,7 +13,7 @@ import torch
 from fastcore.basics import store_attr
 from .core import check_int
 from .methods import judged_method, parse_method, control_specs
-from .rules import budget_shares, plain_schedules, controls_of
+from .rules import budget_shares, plain_schedules, controls_of, BUDGETS
 from .runs import run_fit, StopAfter
 # the names' older home: the rules are now in `loss_filters.rules`
 from .rules import (budget_specs, matched_control, same_work_controls, same_work_of, rate_control, self_scored_control,
@@ -55,7 +55,7 @@ class Design:
                  seeds:int=3, # seeds `seed`, `seed+1`, ...: every method trains from each
                  seed:int=0, # the first seed
                  repeats:int=1, # runs of every method and seed
-                 budgets:str|list='.6 .8 1.2 1.4', # shares of `epochs` for the other plain schedules: below 1 training less,
+                 budgets:str|list=BUDGETS, # shares of `epochs` for the other plain schedules: below 1 training less,
                                                    # above 1 longer (so the plain curve reaches past the full schedule)
                  controls:bool=True, # also train less (`budgets`), choose at random at each method's share, at its work
                                      # and past it (on the longer schedules), and the rate controls

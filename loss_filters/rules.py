@@ -8,7 +8,7 @@ import numbers, statistics, warnings
 from .methods import judged_method, work_slug, control_specs, is_plain_schedule, BLIND
 
 # %% auto #0
-__all__ = ['RESUME_SHARE', 'budget_shares', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls',
+__all__ = ['BUDGETS', 'RESUME_SHARE', 'budget_shares', 'budget_specs', 'plain_schedules', 'matched_control', 'same_work_controls',
            'same_work_of', 'rate_control', 'self_scored_control', 'controls_of', 'found_controls', 'near_saved']
 
 # %% ../nbs/04d_rules.ipynb #0b29b6e3
@@ -21,10 +21,11 @@ def budget_shares(budgets:str|float|list) -> list:
         raise TypeError("`budgets` must be shares of the epochs: a string ('.6 .8 1.2'), a number or a list of numbers, "
                         f"got {budgets!r}") from None
 
-def budget_specs(epochs:int, fracs:str|list='.5 .6 .7 .8 .9') -> list:
+BUDGETS = '.6 .8 1.2 1.4'   # the default shares of the full schedule for the plain model's other schedules: two shorter, two longer
+
+def budget_specs(epochs:int, budgets:str|list=BUDGETS) -> list:
     "The equal-compute control: the plain baseline on one-cycle schedules at these shares of `epochs`"
-    fracs = budget_shares(fracs)
-    ks = sorted({max(1, round(float(f) * epochs)) for f in fracs})
+    ks = sorted({max(1, round(float(f) * epochs)) for f in budget_shares(budgets)})
     return [f'baseline:epochs={k}' for k in ks if k != epochs]
 
 def plain_schedules(epochs:int, budgets:str|list) -> list:
