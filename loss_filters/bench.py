@@ -178,7 +178,7 @@ def bench_settings(preset:str, data:str='auto', methods:str|None=None, model:str
     return bd, methods or pre.methods, design, judging, given.get('lr', pre.lr), given.get('profile', False)
 
 # %% ../nbs/10_bench.ipynb #7b8e16a3
-def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
+def _check_resume(out:Path, data:dict, resume:bool):
     "Save a run's data settings in `out`; on `resume`, check the saved ones match"
     f = out / 'bench.json'
     if resume and f.exists():
@@ -186,9 +186,7 @@ def _check_resume(out:Path, data:dict, resume:bool) -> float|None:
         if differ := [k for k in data if saved.get(k) != data[k]]:
             raise ValueError(f"`resume`: {out} holds runs on other data ({', '.join(f'{k}={saved.get(k)!r}, now {data[k]!r}' for k in differ)}): "
                              "use another `out`, or start over without `resume`")
-    f.write_text(json.dumps(data, indent=1))
-    conf = out / 'comparison.json'
-    return json.loads(conf.read_text())['score_cost'] if resume and conf.exists() and (out / 'runs.jsonl').exists() else None
+    f.write_text(json.dumps(data, indent=1))   # the runs' own settings, and their work's costs, are `compare_filters`' to check and keep
 
 def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool, confusable:bool=False) -> tuple:
     "`(dls, name)` of the bench's data, loaded once per process for every fit that asks"
@@ -240,8 +238,7 @@ def lf_bench(preset:str='main', # the bench setting to start from: `main` (the m
     print(_bench_line(data_name, bd, preset, dls, plan, lr, jobs, threads))
     if judging.target is None and not plan.reference_seeds:
         judging = replace(judging, target=PRESETS[preset].target_for(data_name, bd, plan.epochs, lr))
-    saved_cost = _check_resume(out, _data_settings(data_name, bd, dls, seed), resume)
-    if saved_cost is not None: judging = replace(judging, score_cost=saved_cost)   # None: `compare_filters` counts it (and times it beside)
+    _check_resume(out, _data_settings(data_name, bd, dls, seed), resume)
     def announce(s, sd, rep, kind): print(f"== {s} ({'control, ' if kind == 'control' else ''}seed {sd}, repeat {rep + 1}/{plan.repeats})")
     with (fit_executor(jobs, threads) if jobs > 1 else contextlib.nullcontext()) as ex:
         running = Running(executor=ex, threads=threads if jobs > 1 else None, folder=out, resume=resume, show_progress=False,

@@ -1,8 +1,10 @@
 "The package's floors: the judge without torch, and the spec language's data pinned to the callbacks it names"
 import inspect, subprocess, sys
+from pathlib import Path
 import pytest
 from loss_filters.methods import METHODS, SETTINGS, BATCH, judged_method, parse_method
 
+NBS = Path(__file__).resolve().parent.parent / 'nbs'
 JUDGE = ('checks', 'methods', 'records', 'rules', 'stats', 'verdicts', 'report', 'plots', 'comparison')
 
 def test_the_judge_and_saved_runs_need_neither_torch_nor_fastai():
@@ -57,3 +59,14 @@ def test_lines_and_docstrings_are_short():
     docs = [f"{p.name}:{n.name}" for p in _modules() for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and len(ast.get_docstring(n) or '') > 130]
     assert not docs, docs
+
+def test_no_side_effects_on_the_users_session(tmp_path):
+    "Saving a comparison leaves the user's matplotlib backend as it was, and importing the bench leaves the warnings filters as they were"
+    code = ("import matplotlib, warnings; matplotlib.use('svg'); before = list(warnings.filters)\n"
+            "import loss_filters.bench\n"
+            "from loss_filters.comparison import load_comparison\n"
+            f"load_comparison({str(NBS / 'bench_runs' / 'noisy_noisy20_runs.jsonl.gz')!r}).save({str(tmp_path)!r})\n"
+            "print(matplotlib.get_backend(), warnings.filters == before)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ['svg', 'True'], out
+    assert (tmp_path / 'accuracy_vs_budget.png').stat().st_size > 0
