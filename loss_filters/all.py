@@ -15,10 +15,11 @@ from .controls import *
 from .probe import *
 from .proxy import *
 from .compare import compare_filters, Comparison, load_comparison
-from .plan import fit_executor
+from .comparison import Judging
+from .plan import fit_executor, Design, Running
 
 # %% ../nbs/12_all.ipynb #a11c0de4
 from . import core, geometry, base, batch, sampler, controls, probe, proxy
 # the controls are in batch and sampler
 __all__ = (list(dict.fromkeys(n for m in (core, geometry, base, batch, sampler, probe, proxy) for n in m.__all__))
-           + ['compare_filters', 'Comparison', 'load_comparison', 'fit_executor'])
+           + ['compare_filters', 'Comparison', 'load_comparison', 'fit_executor', 'Design', 'Judging', 'Running'])

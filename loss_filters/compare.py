@@ -12,7 +12,6 @@ import torch
 from fastcore.basics import store_attr
 from fastai.basics import Learner
 from fastprogress.fastprogress import progress_bar, IN_NOTEBOOK
-from .checks import check_range, check_int
 from .base import LossFilterBase
 from .methods import parse_method, metric_sign
 from .records import add_work, proxy_costs, upgrade_run
