@@ -188,6 +188,7 @@ def _check_resume(out:Path, data:dict, resume:bool):
                              "use another `out`, or start over without `resume`")
     f.write_text(json.dumps(data, indent=1))   # the runs' own settings, and their work's costs, are `compare_filters`' to check and keep
 
+@functools.lru_cache(maxsize=2)
 def _bench_dls(data:str, bs:int, n_train, n_valid, seed:int, label_noise:float, augment:bool, confusable:bool=False) -> tuple:
     "`(dls, name)` of the bench's data, loaded once per process for every fit that asks"
     dls, name = load_dls(data, bs=bs, n_train=n_train, n_valid=n_valid, seed=seed, label_noise=label_noise,
@@ -208,8 +209,8 @@ class BenchLearners:
     def proxy(self, width:float) -> nn.Module: return make_model(self.proxy_model or self.model, self.dls, width)
 
 # %% ../nbs/10_bench.ipynb #d8c165c9
-def lf_bench(preset:str='main', # the bench setting to start from: `main` (the main job), `quick`, `compute`, `long`, `aug` or `noisy` (`PRESETS`)
-             data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
+def lf_bench(data:str='auto', # `fashion_mnist`, `digits`, or `auto` (Fashion-MNIST when found, else digits)
+             preset:str='main', # the bench setting to start from: `main` (the main job), `quick`, `compute`, `long`, `aug` or `noisy` (`PRESETS`)
              methods:str=None, # space-separated methods, e.g. "baseline blf sb:keep=.3 topk:proxy=.25"; default: the preset's
              model:str=None, # the network: `cnn`, `mlp` or `wrn`; default: the preset's
              epochs:int=None, # epochs of the full schedule (a method's own `epochs=` overrides it); default: the preset's

@@ -106,7 +106,9 @@ class Method(NamedTuple):
         if self.name in SETTINGS: return SETTINGS[self.name].get(key, 0 if key == 'skip_epochs' else None)
         return getattr(self.cls(**self.kw), key)   # a tool's callback: built to be asked
     @property
-    def prunes_first(self) -> bool: return self.name == 'drop' or bool(self.kw.get('from_first'))   # prunes its first epoch too
+    def prunes_first(self) -> bool:   # prunes its first epoch too
+        if self.name in SETTINGS: return self.name == 'drop' or bool(self.kw.get('from_first'))
+        return bool(getattr(self.cls(**self.kw), 'prunes_first', False))   # a tool's callback: built to be asked
     def without(self, *keys) -> str:
         "The spec with the settings `keys` left out, the others as written"
         args = [a for a in self.spec.partition(':')[2].split(',') if a.strip() and a.split('=', 1)[0].strip() not in keys]

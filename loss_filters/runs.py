@@ -199,3 +199,12 @@ def check_learner(learn, # a Learner that will not train on (its model is moved 
     devs = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
     with torch.no_grad(), frozen_norm_stats(learn.model), torch.random.fork_rng(devices=devs): pred = first_output(learn.model(*xb))
     per_sample_loss(learn.loss_func, plain(pred), *yb)   # a `TypeError` naming the loss when it cannot give one value per example
+
+_MOVED = ('timed', 'learner_score_cost', 'learner_proxy_cost', 'learner_flop_costs')   # now in `loss_filters.costs`, which imports this module
+
+def __getattr__(name:str):
+    "The names that moved to `costs`, still importable from here"
+    if name in _MOVED:
+        from loss_filters import costs
+        return getattr(costs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
