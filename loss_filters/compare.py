@@ -117,25 +117,25 @@ def compare_filters(make_learner, # a function of no arguments that returns a ne
     if judging.target is None and not design.reference_seeds: drop = _target_drop(metric, drop, len(probe.dls.valid_ds))
     _warn_no_verdict(design.seeds, design.repeats, design.controls)
     folder = None if running.folder is None else Path(running.folder)
-    settings = dict(methods=design.specs, lr=lr, metric=metric, sign=metric_sign(metric, judging.lower_is_better),
-                    evals_per_epoch=judging.evals_per_epoch, score_cost=judging.score_cost, alpha=judging.alpha, work=judging.work,
-                    **design.settings())
-    done = _saved_runs(folder, settings, running.resume)
+    conf = dict(methods=design.specs, lr=lr, metric=metric, sign=metric_sign(metric, judging.lower_is_better),   # saved beside the runs
+                evals_per_epoch=judging.evals_per_epoch, score_cost=judging.score_cost, alpha=judging.alpha, work=judging.work,
+                **design.settings())
+    done = _saved_runs(folder, conf, running.resume)
     saved = json.loads((folder / 'comparison.json').read_text()) if done else {}
-    settings |= _work_costs(probe, settings, saved, _proxy_widths(design.specs), make_proxy, design.seed)
-    _save_settings(folder, settings)
+    conf |= _work_costs(probe, conf, saved, _proxy_widths(design.specs), make_proxy, design.seed)
+    _save_settings(folder, conf)
     del probe
-    train = partial(train_fit, make_learner, epochs=design.epochs, lr=lr, fit=fit, metric=metric, sign=settings['sign'],
+    train = partial(train_fit, make_learner, epochs=design.epochs, lr=lr, fit=fit, metric=metric, sign=conf['sign'],
                     evals_per_epoch=judging.evals_per_epoch, check=check, show_progress=running.show_fits, cbs=cbs,
                     make_proxy=make_proxy, threads=_threads(running), warmup=running.warmup and not done)
-    results = _train_all(design, running, train, settings, done, folder)
+    results = _train_all(design, running, train, conf, done, folder)
     runs, refs, plain, control_of = design.ordered(results)
     target = judging.target
     if refs and target is None:
         knee = knee_target(refs)
-        target, settings = settings['sign'] * knee['target'], settings | dict(target_from='reference', reference_target=knee)
-    _save_settings(folder, settings)
-    return judge(runs, plain, control_of, settings, None if target is None else settings['sign'] * target, drop)
+        target, conf = conf['sign'] * knee['target'], conf | dict(target_from='reference', reference_target=knee)
+    _save_settings(folder, conf)
+    return judge(runs, plain, control_of, conf, None if target is None else conf['sign'] * target, drop)
 
 def _objects(methods, make_proxy, add_baseline:bool, judging, running, settings:dict) -> tuple:
     "`(Design, Judging, Running)`: each keyword setting given to the object that owns it, which checks it"
