@@ -347,8 +347,23 @@ class _FilterPlots:
         fig.suptitle(self.diagnostics_title())
         return fig
 
+# %% ../nbs/00a_base.ipynb #b82fb77f
+class _JoinsLearner:
+    "A callback told when it joins a Learner (`_join`) and leaves it (`_leave`), as `add_cb` and `remove_cb` set `learn`"
+    @property
+    def learn(self): return self.__dict__.get('_learn')
+    @learn.setter
+    def learn(self, learn):
+        old = self.__dict__.get('_learn')
+        if old is learn: return
+        if old is not None: self._leave(old)
+        self.__dict__['_learn'] = learn
+        if learn is not None: self._join(learn)
+    def _join(self, learn): pass
+    def _leave(self, learn): pass
+
 # %% ../nbs/00a_base.ipynb #49d4ac3e
-class LossFilterBase(_FilterChecks, _FilterRecords, _FilterPlots, Callback):
+class LossFilterBase(_JoinsLearner, _FilterChecks, _FilterRecords, _FilterPlots, Callback):
     "What every loss filter shares: one per Learner (`learn.loss_filter`), columns, records, plots"
     order,run_valid = MixHandler.order-1,False
     name = 'loss_filter' # `learn.loss_filter`; a class-derived name would shadow the `Learner.batch_loss_filter` patch
@@ -383,17 +398,6 @@ class LossFilterBase(_FilterChecks, _FilterRecords, _FilterPlots, Callback):
         "Per-batch counters skip fastai's check that an attribute does not shadow the Learner's"
         if name in self._hot: self.__dict__[name] = value
         else: super().__setattr__(name, value)
-
-    @property
-    def learn(self): return self.__dict__.get('_learn')
-    @learn.setter
-    def learn(self, learn):
-        "`add_cb` sets the Learner and `remove_cb` sets None, bringing the columns or taking them away"
-        old = self.__dict__.get('_learn')
-        if old is learn: return
-        if old is not None: self._leave(old)
-        self.__dict__['_learn'] = learn
-        if learn is not None: self._join(learn)
 
     def _join(self, learn:Learner):
         "Replace the filter `learn` had, if any, and bring the columns along"

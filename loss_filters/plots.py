@@ -142,10 +142,14 @@ def time_figure(runs:list, # the runs
     col, mk = colors or plot_colors([r['method'] for r in runs]), plain_markers([r['method'] for r in runs if r['method'] not in controls])
     names = list(dict.fromkeys(r['method'] for r in runs if r['method'] not in controls))
     named = len(names) + 1 > LEGEND_MAX   # too many for the legend: each line named at its end
-    for m in names:
-        xs, ys = _median_curve([x for x in runs if x['method'] == m], sign)
+    curves = {m: _median_curve([x for x in runs if x['method'] == m], sign) for m in names}
+    for m, (xs, ys) in curves.items():
         ax.plot(xs, ys, mk.get(m, 'o') + '-', color=col.get(m, 'grey'), label=None if named else short_label(m), ms=3, lw=1.2)
-        if named: _name_at(ax, xs[-1], ys[-1], short_label(m), col.get(m, 'grey'))
+    if named:   # each line named at its end, raised where names would overlap
+        ends = [(xs[-1], ys[-1]) for xs, ys in curves.values()]
+        span = max(x for x, _ in ends) or 1.
+        height = (max(y for _, y in ends) - min(y for _, y in ends)) or 1.
+        for m, (x, y), up in zip(curves, ends, _crowd(ends, (span / 6, height / 25))): _name_at(ax, x, y, short_label(m), col.get(m, 'grey'), up)
     ax.axhline(sign * target, color='grey', ls=':', label=f'target {sign * target:.4f}')
     late = [sign * e['metric'] for r in runs for e in r['history'][len(r['history']) // 2:]]
     ax.set(xlabel='training seconds (median over seeds)', ylabel=f'{label} (median over seeds)', title='The metric against training time')

@@ -18,7 +18,7 @@ from fastai.learner import Learner
 from fastai.torch_core import find_bs
 from .geometry import directional_derivatives, step_alpha, example_gradients, _gramian_without_hooks
 from .core import check_int, dist_world, own_generator
-from .base import LossFilterBase, FitColumns, by_keyword
+from .base import LossFilterBase, FitColumns, by_keyword, _JoinsLearner
 
 # %% auto #0
 __all__ = ['spearman', 'ProbeColumns', 'GradientProbeCallback']
@@ -257,7 +257,7 @@ class _ProbeRecords:
         return axs[0].figure
 
 # %% ../nbs/02a_probe.ipynb #a6f1cda8
-class GradientProbeCallback(_ProbeGramian, _ProbeAlpha, _ProbeRecords, Callback):
+class GradientProbeCallback(_JoinsLearner, _ProbeGramian, _ProbeAlpha, _ProbeRecords, Callback):
     "Every `every`-th step, compare the step's gradient with the batch's and chance, and measure α"
     order,run_valid = LossFilterBase.order-1,False   # before any filter's `before_batch`: it sees the whole batch first
     name = 'probe'   # `learn.probe`; `learn.gradient_probe()` is the patch that adds it
@@ -272,20 +272,17 @@ class GradientProbeCallback(_ProbeGramian, _ProbeAlpha, _ProbeRecords, Callback)
         store_attr('every,n_random,modules,train,alpha')
         self.stats, self._training, self.seconds, self.part_seconds = L(), False, 0., {}
 
-    @property
-    def learn(self): return self.__dict__.get('_learn')
-    @learn.setter
-    def learn(self, learn):
-        "Joining a Learner replaces its probe and brings the columns along, and leaving takes them away"
-        old = self.__dict__.get('_learn')
-        if old is learn: return
+    def _join(self, learn):
+        "Replace the probe `learn` had, if any, and bring the columns along"
         cols = self.__dict__.setdefault('columns', ProbeColumns(self))
-        if old is not None and cols in old.cbs: old.remove_cb(cols)
-        self.__dict__['_learn'] = learn
-        if learn is None: return
-        for other in learn.cbs.filter(lambda o: isinstance(o, GradientProbeCallback) and o is not self):   # one probe a Learner
-            learn.remove_cb(other)
+        for other in learn.cbs.filter(lambda o: isinstance(o, GradientProbeCallback) and o is not self):
+            learn.remove_cb(other)   # one probe a Learner
         if cols not in learn.cbs: learn.add_cb(cols)
+
+    def _leave(self, learn):
+        "Take the columns away"
+        cols = self.__dict__.get('columns')
+        if cols is not None and cols in learn.cbs: learn.remove_cb(cols)
 
     def before_fit(self):
         self.run = not hasattr(self.learn, 'lr_finder') and not hasattr(self, 'gather_preds')
